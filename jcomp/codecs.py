@@ -288,7 +288,9 @@ class Fp8:
     subnormal and the absolute error is at most 2**-10 * scale. Padding, zero
     and NaN/Inf rules are those of `IntQuant`.
 
-    Payload: {"q": float8_e4m3fn (*lead, NB*block), "scale": float32 (*lead, NB)}.
+    Payload: {"q": uint8 (*lead, NB*block), "scale": float32 (*lead, NB)}. The
+    e4m3 bits travel as uint8: XLA on CPU widens float8 collectives to f16,
+    which would double the bytes; a byte is a byte on every backend.
     """
 
     block: int = DEFAULT_BLOCK
@@ -311,11 +313,12 @@ class Fp8:
         v, scale_LxNB, finite = _block_scale(x_LxNBxB, self.qmax)
         v = _nonfinite_codes(x_LxNBxB, finite, jnp.clip(v, -self.qmax, self.qmax), self.qmax)
         q = v.astype(jnp.float8_e4m3fn).reshape(*v.shape[:-2], -1)
-        return {"q": q, "scale": scale_LxNB}
+        return {"q": jax.lax.bitcast_convert_type(q, jnp.uint8), "scale": scale_LxNB}
 
     def decode(self, payload: Payload, shape, dtype):
         scale_LxNB = payload["scale"]
-        v = payload["q"].reshape(*scale_LxNB.shape, self.block)
+        q = jax.lax.bitcast_convert_type(payload["q"], jnp.float8_e4m3fn)
+        v = q.reshape(*scale_LxNB.shape, self.block)
         return _from_blocks(v, scale_LxNB, shape, dtype)
 
     def wire_bytes(self, shape, dtype) -> int:

@@ -134,7 +134,7 @@ def _reduce_scatter_rows(x_NxM, axes, codec, key):
     """Row j of every device's x_NxM is summed onto device j. -> (sum [M] f32, sent [N, M])."""
     n, m = x_NxM.shape
     payload = codec.encode(x_NxM, key=key)
-    sent_NxM = codec.decode(payload, (n, m), x_NxM.dtype)
+    sent_NxM = codec.decode(payload, (n, m), jnp.float32)
     return _sum_rows(codec, _all_to_all_rows(payload, axes), n, m), sent_NxM
 
 
@@ -144,7 +144,7 @@ def _allreduce(x, axes, codec, key):
     k1, k2 = _split(key)
     if codec.kind == "sparse":
         payload = codec.encode(x.reshape(1, -1), key=k1)
-        sent = codec.decode(payload, (1, x.size), x.dtype).reshape(x.shape)
+        sent = codec.decode(payload, (1, x.size), jnp.float32).reshape(x.shape)
         total = _sum_rows(codec, _gather_rows(payload, axes, "invarying"), n, x.size)
         return total.astype(x.dtype).reshape(x.shape), sent
     size = x.size
@@ -152,8 +152,15 @@ def _allreduce(x, axes, codec, key):
     x_NxC = jnp.pad(x.reshape(-1), (0, n * chunk - size)).reshape(n, chunk)
     own_C, sent_NxC = _reduce_scatter_rows(x_NxC, axes, codec, k1)
     gathered = _gather_rows(codec.encode(own_C[None], key=k2), axes, "invarying")
-    total = codec.decode(gathered, (n, chunk), x.dtype).reshape(-1)[:size].reshape(x.shape)
-    return total, sent_NxC.reshape(-1)[:size].reshape(x.shape)
+    total_NxC = codec.decode(gathered, (n, chunk), jnp.float32)
+    # The owner of a chunk also re-codes its sum; charging that error to the owner's
+    # row keeps "sum of what was sent == total" exact, so error feedback repairs both phases.
+    me = lax.axis_index(axes)
+    shortfall_C = lax.dynamic_index_in_dim(total_NxC, me, 0, keepdims=False) - own_C
+    sent_NxC = lax.dynamic_update_index_in_dim(
+        sent_NxC, lax.dynamic_index_in_dim(sent_NxC, me, 0, keepdims=False) + shortfall_C, me, 0)
+    total = total_NxC.astype(x.dtype).reshape(-1)[:size].reshape(x.shape)
+    return total, sent_NxC.reshape(-1)[:size].reshape(x.shape)  # float32
 
 
 def _gather(x, axes, codec, key, axis, tiled, to):
@@ -519,5 +526,5 @@ def _ef(x, residual, axis_name, codec, key, kernel, exact=None):
         corrected = lax.stop_gradient(_vary(leaf + res.astype(leaf.dtype), axes))
         total, sent = kernel(corrected, axes, c, _device_key(k, axes, c))
         outs.append(total)
-        news.append((corrected - sent).astype(res.dtype))
+        news.append((corrected.astype(jnp.float32) - sent).astype(res.dtype))
     return jax.tree.unflatten(treedef, outs), jax.tree.unflatten(treedef, news)

@@ -6,14 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp import codecs
 from jcomp import collectives as cc
+from jcomp import mesh as jmesh
 from jcomp import wire
 
-AXES = ("data", "tensor", "pipeline")
+AXES = jmesh.AXES
 EVERY = P(AXES)  # one block per device along the leading dim
 CODECS = ["bf16", "fp16", "fp8", "int8", "int4", "int2", "int8:sr", "topk:0.25", "randk:0.5"]
 PERM = ((0, 1), (1, 0))
@@ -21,7 +22,7 @@ PERM = ((0, 1), (1, 0))
 
 @pytest.fixture(scope="module")
 def mesh():
-    m = jax.make_mesh((2, 2, 2), AXES, axis_types=(AxisType.Explicit,) * 3)
+    m = jmesh.make_mesh((2, 2, 2))
     with jax.set_mesh(m):
         yield m
 
@@ -222,8 +223,11 @@ def test_no_full_precision_collective_remains(mesh, codec, op):
     data_bytes = 64 * 64 * 4
     report = wire.measure(grad_fn, x, mesh=mesh)
     assert report.collectives, f"{op}: no collective at all in {report.table()}"
+    # Allowed float traffic: block scales (1/256 of the data) and sparse values
+    # (a tenth of it here). A float collective of a quarter of the data or more
+    # would be the data itself, or a cast of it.
     big_float = [c for c in report.collectives
-                 if c.dtype in ("f32", "bf16", "f16") and c.bytes_per_device >= data_bytes / 16]
+                 if c.dtype in ("f32", "bf16", "f16") and c.bytes_per_device >= data_bytes / 4]
     assert not big_float, report.table()
 
 
@@ -231,8 +235,8 @@ def test_no_full_precision_collective_remains(mesh, codec, op):
 def test_nan_and_inf_propagate_and_zeros_stay_exact(mesh, codec):
     x = np.zeros((8, 1000), np.float32)
     x[:, 500:] = np.random.default_rng(0).normal(size=(8, 500))
-    x[1, 700] = np.nan   # on data rank 0 (devices 0..3 hold data=0)
-    x[5, 900] = np.inf   # on data rank 1
+    x[:4, 700] = np.nan   # on data rank 0 (rows 0..3 are the devices with data=0)
+    x[4:, 900] = np.inf   # on data rank 1
     fn, _ = _psum_program(mesh, codec, 1000)
     out = np.asarray(fn(_put(mesh, jnp.asarray(x))))
     expected = x.reshape(2, 4, 1000).sum(0)
@@ -288,8 +292,8 @@ def test_megatron_copy_and_reduce(mesh):
         def body(x, w):
             h = copy(x) @ w               # column-parallel: x replicated, w split
             return reduce(h @ w.T)        # row-parallel partial sums
-        return jax.jit(jax.value_and_grad(lambda x, w: jax.shard_map(
-            body, mesh=mesh, in_specs=(P(), P(None, "tensor")), out_specs=P())(x, w).sum(),
+        return jax.jit(jax.value_and_grad(lambda x, w: (jax.shard_map(
+            body, mesh=mesh, in_specs=(P(), P(None, "tensor")), out_specs=P())(x, w) ** 2).sum(),
             argnums=(0, 1)))
 
     ours = layer(functools.partial(cc.copy_to_parallel, axis_name="tensor", bwd_codec="int8"),
@@ -302,31 +306,38 @@ def test_megatron_copy_and_reduce(mesh):
     assert not [c for c in report.collectives if c.dtype == "f32" and c.bytes_per_device > 64]
 
 
-@pytest.mark.parametrize("codec", ["topk:0.1", "int2"])
+@pytest.mark.parametrize("codec", ["topk:0.25", "int2"])
 def test_error_feedback_carries_what_was_not_sent(mesh, codec):
     """Summed over steps, error-feedback reductions track the exact sums: the
-    residual holds exactly what each device has not yet sent."""
+    residual holds exactly what each device has not yet sent, so the running
+    error stays at one residual's size instead of growing with every step."""
     rng = np.random.default_rng(0)
-    xs = [_grid(mesh, jnp.float32, rng) for _ in range(20)]
+    # Gradients have a persistent part and noise; the persistent part is what a
+    # biased codec keeps dropping without feedback.
+    base = _grid(mesh, jnp.float32, rng)
+    xs = [base + 0.5 * _grid(mesh, jnp.float32, rng) for _ in range(40)]
+    outs = (P(("tensor", "pipeline")), EVERY)
 
     @jax.jit
     def step(x, r):
         def body(x, r):
             out, new = cc.psum_ef(x[0], r[0], "data", codec=codec)
-            return out[None], new[None]
+            plain = cc.psum(x[0], "data", codec=codec)
+            return out[None], new[None], plain[None]
         return jax.shard_map(body, mesh=mesh, in_specs=(EVERY, EVERY),
-                             out_specs=(P(("tensor", "pipeline")), EVERY))(x, r)
+                             out_specs=outs + (outs[0],))(x, r)
 
     r = jnp.zeros_like(xs[0])
-    sent_total, exact_total = 0.0, 0.0
+    sent_total = plain_total = exact_total = 0.0
     for x in xs:
-        out, r = step(x, r)
+        out, r, plain = step(x, r)
         sent_total = sent_total + np.asarray(out)
+        plain_total = plain_total + np.asarray(plain)
         exact_total = exact_total + np.asarray(x).reshape(2, 4, 6, 20).sum(0)
     # sum of outputs = sum of inputs - (sum over devices of the final residual)
     leftover = np.asarray(r).reshape(2, 4, 6, 20).sum(0)
     np.testing.assert_allclose(sent_total, exact_total - leftover, rtol=1e-4, atol=1e-3)
-    assert _rel(sent_total, exact_total) < 0.5
+    assert _rel(sent_total, exact_total) < _rel(plain_total, exact_total) / 4
 
 
 def test_psum_scatter_ef_matches_psum_scatter(mesh):
