@@ -1,0 +1,391 @@
+"""AdamW (optax) with ZeRO-sharded state, compressed gradient reduction and
+compressed parameter gathers.
+
+Working parameters are sharded over 'tensor'/'pipeline' as their PartitionSpecs
+say and replicated over 'data'. Everything the optimizer keeps is split once
+more over 'data' (ZeRO): each leaf's local (tensor/pipeline) block is flattened
+to length L and zero-padded to D*c, with
+
+    c = ceil(L / D) rounded up to `layout_multiple(policy)`
+
+(the codecs' row length, so no codec pads again); data rank r owns elements
+[r*c, (r+1)*c). Outside `shard_map` the state is a dict of global arrays
+
+    "master"  float32 master-parameter shards  (D, T', P', c)
+    "opt"     the optax state of those shards   (D, T', P', c) per moment, scalars P()
+    "ef"      error-feedback residuals          (D, T', P', D*c), only when
+              `uses_error_feedback(policy)`
+
+with T' = T if the leaf is sharded over 'tensor' else 1 (P' likewise), laid out
+by `zero_spec`: inside `shard_map` a block is (1, 1, 1, c) ((1, 1, 1, D*c) for
+"ef"). The residual is
+per-device state: each data rank keeps what its own full-length contribution
+[D*c] still owes the sum, for stage 1 and stage 2 alike. The layout depends on
+(D, T, P) and the policy's codecs; a checkpoint restores onto the same layout.
+
+One step, inside the train step's `shard_map` (`apply_updates`):
+  1. reduce the local gradients over 'data': stage 1 all-reduces the padded
+     [D*c] buffer (`cc.psum`) and keeps slice r, stage 2 reduce-scatters it
+     (`cc.psum_scatter`); both with `policy["data", "grad"]` and error
+     feedback when the policy asks for it; divide by D (each rank's loss is
+     the mean over its own rows, so the global mean is the mean of the D);
+  2. clip by the global norm: each leaf's squares are summed over 'data' and
+     the axes its spec splits it over, so a replicated leaf counts once
+     (optax.clip_by_global_norm would see only the local shard);
+  3. optax update of the (1, 1, 1, c) shards, applied to the float32 master;
+  4. all-gather the master over 'data' with `policy["data", "param"]`,
+     un-pad and cast: the new working params, invariant over 'data'. With a
+     lossy param codec they are the decoded master (ZeRO++ qwZ); the float32
+     master itself never passes through a codec.
+
+The optimizer must be elementwise (Adam, decoupled weight decay, schedules):
+it sees flat shards, not parameter shapes. The weight-decay mask is computed
+from the full parameters beforehand (`decay_mask`).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jcomp import codecs
+from jcomp import collectives as cc
+
+SHARD_AXES = ("tensor", "pipeline")  # the axes working params may be split over
+NO_DECAY_NAMES = ("bias", "scale")
+
+
+# ---------------------------------------------------------- hyperparameters
+
+def _number(name, value, *, integer=False):
+    kinds = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}; got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}")
+    return value
+
+
+def _check(name, value, ok: bool, allowed: str):
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}; got {value}")
+
+
+def make_schedule(*, lr, warmup_steps, total_steps, min_lr_ratio=0.0) -> optax.Schedule:
+    """Linear warm-up from 0 to `lr` over `warmup_steps`, then cosine decay to
+    `min_lr_ratio * lr` at `total_steps` (constant after). ValueError names a bad field."""
+    _check("lr", _number("lr", lr), lr > 0, "> 0")
+    _number("warmup_steps", warmup_steps, integer=True)
+    _number("total_steps", total_steps, integer=True)
+    _check("total_steps", total_steps, total_steps > 0, "> 0")
+    _check("warmup_steps", warmup_steps, 0 <= warmup_steps < total_steps,
+           f">= 0 and < total_steps ({total_steps})")
+    _number("min_lr_ratio", min_lr_ratio)
+    _check("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]")
+    return optax.warmup_cosine_decay_schedule(
+        0.0, lr, int(warmup_steps), int(total_steps), end_value=min_lr_ratio * lr)
+
+
+def make_tx(*, lr, warmup_steps, total_steps, min_lr_ratio=0.0, b1=0.9, b2=0.95, eps=1e-8,
+            weight_decay=0.0, decay_mask=None) -> optax.GradientTransformation:
+    """AdamW as optax.chain(scale_by_adam, add_decayed_weights(mask), scale_by_learning_rate).
+
+    decay_mask: pytree of bools shaped like the params (see `decay_mask`) or None
+    (decay every leaf). Clipping is not part of it: under sharding optax would
+    only see the local norm; `apply_updates` clips by the global one.
+    """
+    schedule = make_schedule(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
+                             min_lr_ratio=min_lr_ratio)
+    for name, value in (("b1", b1), ("b2", b2)):
+        _check(name, _number(name, value), 0 <= value < 1, "in [0, 1)")
+    # eps > 0 keeps the zero padding of every shard at exactly 0 (0 / eps), never NaN.
+    _check("eps", _number("eps", eps), eps > 0, "> 0")
+    _check("weight_decay", _number("weight_decay", weight_decay), weight_decay >= 0, ">= 0")
+    return optax.chain(
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+        optax.add_decayed_weights(weight_decay, decay_mask),
+        optax.scale_by_learning_rate(schedule),
+    )
+
+
+def _leaf_name(path) -> str:
+    last = path[-1] if path else None
+    for attr in ("key", "name", "idx"):
+        if hasattr(last, attr):
+            return str(getattr(last, attr))
+    return ""
+
+
+def decay_mask(params):
+    """True where weight decay applies. No decay for LayerNorm scales and biases:
+    leaves whose name is 'bias'/'scale' or ends in '_bias'/'_scale' (this catches
+    stacked per-layer vectors of shape [N, D]), and any leaf of ndim <= 1.
+    `params` may hold arrays or jax.ShapeDtypeStruct (only shapes are read)."""
+
+    def keep(path, leaf):
+        name = _leaf_name(path)
+        named = name in NO_DECAY_NAMES or name.endswith(tuple("_" + n for n in NO_DECAY_NAMES))
+        return not (named or len(leaf.shape) <= 1)
+
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+# ------------------------------------------------------------------- layout
+
+def _spec_axes(spec) -> tuple:
+    """Mesh axes a working-param spec splits over, in SHARD_AXES order."""
+    if not isinstance(spec, P):
+        raise TypeError(f"param_specs leaves must be PartitionSpecs; got {spec!r}")
+    named = set()
+    for entry in spec:
+        named.update(entry if isinstance(entry, tuple) else (() if entry is None else (entry,)))
+    bad = named - set(SHARD_AXES)
+    if bad:
+        raise ValueError(f"param_specs: {spec} names {sorted(bad)}; working params may only be "
+                         f"split over {SHARD_AXES} (they are replicated over 'data')")
+    return tuple(a for a in SHARD_AXES if a in named)
+
+
+def zero_spec(spec) -> P:
+    """PartitionSpec of a (D, T', P', c) state leaf for a param with `spec`."""
+    axes = _spec_axes(spec)
+    return P("data", *(a if a in axes else None for a in SHARD_AXES), None)
+
+
+def zero_specs(param_specs):
+    """`zero_spec` of every leaf of `param_specs`."""
+    return jax.tree.map(zero_spec, param_specs)
+
+
+def layout_multiple(policy) -> int:
+    """Shard length multiple: rows of the grad and param codecs code without padding."""
+    return math.lcm(codecs.parse(policy["data", "grad"]).row_multiple,
+                    codecs.parse(policy["data", "param"]).row_multiple)
+
+
+def shard_len(n_local: int, n_data: int, multiple: int) -> int:
+    """c = ceil(n_local / n_data) rounded up to `multiple` (at least `multiple`)."""
+    per_rank = -(-n_local // n_data)
+    return max(-(-per_rank // multiple) * multiple, multiple)
+
+
+def uses_error_feedback(policy) -> bool:
+    """Whether the state carries residuals: the policy asks and the grad codec is lossy."""
+    return bool(policy.error_feedback) and codecs.parse(policy["data", "grad"]).kind != "identity"
+
+
+def _local_shape(shape, spec, sizes) -> tuple:
+    out = list(shape)
+    for dim, entry in enumerate(spec):
+        axes = entry if isinstance(entry, tuple) else (() if entry is None else (entry,))
+        n = math.prod(sizes[a] for a in axes)
+        if out[dim] % n:
+            raise ValueError(f"param of shape {tuple(shape)}: dim {dim} ({out[dim]}) is not "
+                             f"divisible by the {n} devices of {spec}")
+        out[dim] //= n
+    return tuple(out)
+
+
+def _state_leaves(params, param_specs, mesh, policy, width):
+    """Per leaf, a float32 ShapeDtypeStruct (D, T', P', width(c, D)) of its state."""
+    sizes = dict(mesh.shape)
+    d, multiple = sizes["data"], layout_multiple(policy)
+
+    def one(param, spec):
+        c = shard_len(math.prod(_local_shape(param.shape, spec, sizes)), d, multiple)
+        axes = _spec_axes(spec)
+        shape = (d, *(sizes[a] if a in axes else 1 for a in SHARD_AXES), width(c, d))
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    return jax.tree.map(one, params, param_specs)
+
+
+# -------------------------------------------------------------------- state
+
+def state_specs(param_specs, tx, policy):
+    """PartitionSpecs of the state dict, for shard_map in/out specs and shardings."""
+    zspecs = zero_specs(param_specs)
+    dummy = jax.tree.map(lambda _: jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), param_specs)
+    opt = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, dummy), zspecs,
+                                transform_non_params=lambda _: P(),
+                                is_leaf=lambda x: isinstance(x, P))
+    out = {"master": zspecs, "opt": opt}
+    if uses_error_feedback(policy):
+        out["ef"] = zspecs
+    return out
+
+
+def abstract_state(params, param_specs, mesh, tx, policy):
+    """The state as jax.ShapeDtypeStruct with shardings (checkpoint restore target).
+    `params`: the global working params, arrays or ShapeDtypeStruct."""
+    master = _state_leaves(params, param_specs, mesh, policy, lambda c, d: c)
+    state = {"master": master, "opt": jax.eval_shape(tx.init, master)}
+    if uses_error_feedback(policy):
+        state["ef"] = _state_leaves(params, param_specs, mesh, policy, lambda c, d: d * c)
+    specs = state_specs(param_specs, tx, policy)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+        state, specs)
+
+
+def _own_slice(param, multiple):
+    """Local block -> this data rank's float32 slice, as (1, 1, 1, c)."""
+    d = lax.axis_size("data")
+    c = shard_len(param.size, d, multiple)
+    flat = jnp.pad(param.reshape(-1).astype(jnp.float32), (0, d * c - param.size))
+    own = lax.dynamic_slice_in_dim(flat, lax.axis_index("data") * c, c)
+    return own.reshape(1, 1, 1, c)
+
+
+def init_state(params, param_specs, mesh, tx, policy):
+    """The state dict, created in its shardings: master = exact float32 slices of
+    `params` (global working params), opt = tx.init(master), ef = zeros."""
+    multiple = layout_multiple(policy)
+    specs = state_specs(param_specs, tx, policy)
+    slicer = jax.shard_map(lambda p: jax.tree.map(lambda x: _own_slice(x, multiple), p),
+                           mesh=mesh, in_specs=(param_specs,), out_specs=specs["master"])
+    master = jax.jit(slicer)(params)
+    sharding = lambda s: NamedSharding(mesh, s)
+    state = {"master": master,
+             "opt": jax.jit(tx.init, out_shardings=jax.tree.map(sharding, specs["opt"]))(master)}
+    if "ef" in specs:
+        shapes = abstract_state(params, param_specs, mesh, tx, policy)["ef"]
+        state["ef"] = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
+                              out_shardings=jax.tree.map(lambda a: a.sharding, shapes))()
+    return state
+
+
+# --------------------------------------------------------------- the update
+
+def _norm_global(xs, axes_per_leaf):
+    """sqrt(sum of squares) over the whole mesh: leaf i is summed over its axes
+    only, so a leaf replicated over an axis counts once."""
+    buckets: dict = {}
+    for x, axes in zip(xs, axes_per_leaf):
+        buckets[axes] = buckets.get(axes, 0.0) + jnp.sum(jnp.square(x.astype(jnp.float32)))
+    return jnp.sqrt(sum(lax.psum(v, axes) for axes, v in buckets.items()))
+
+
+def _check_grad(name, g, axes):
+    varying = jax.typeof(g).mat.varying
+    if "data" not in varying:
+        raise ValueError(
+            f"grads{name}: must be the local gradient, varying over 'data'; cast the params "
+            "with lax.pcast(p, 'data', to='varying') before differentiating so that no "
+            "automatic full-precision psum runs")
+    extra = set(varying) - {"data", *axes}
+    if extra:
+        raise ValueError(f"grads{name}: varies over {sorted(extra)} but its param spec only "
+                         f"splits it over {axes}; reduce those partial sums first")
+
+
+def _padded_grads(grads, p_leaves, masters, axes, multiple):
+    """Local gradients -> zero-padded flat [D*c] buffers, after checking their
+    varying axes and that the state fits the layout."""
+    named = jax.tree_util.tree_flatten_with_path(grads)[0]
+    d, flats = lax.axis_size("data"), []
+    for (path, g), p, m, ax in zip(named, p_leaves, masters, axes):
+        name = jax.tree_util.keystr(path)
+        _check_grad(name, g, ax)
+        c = shard_len(p.size, d, multiple)
+        if g.shape != p.shape or m.shape != (1, 1, 1, c):
+            raise ValueError(f"grads{name}: shape {g.shape}, param {p.shape} and master shard "
+                             f"{m.shape} do not fit the layout (expected (1, 1, 1, {c}))")
+        flats.append(jnp.pad(g.reshape(-1), (0, d * c - g.size)))
+    return flats
+
+
+def _gather_params(master_leaves, p_leaves, codec, key):
+    """(1, 1, 1, c) master shards -> working params: gathered over 'data' (invariant
+    there), un-padded, reshaped to the local param shapes and cast to their dtypes."""
+    gathered = cc.all_gather([m.reshape(-1) for m in master_leaves], "data", tiled=True,
+                             to="invarying", codec=codec, key=key)
+    return [x[:p.size].reshape(p.shape).astype(p.dtype) for x, p in zip(gathered, p_leaves)]
+
+
+def _reduce(flats, res, stage, codec, key):
+    """Sums the [D*c] buffers over 'data' -> (this rank's [c] slices, new residuals or None)."""
+    d, r = lax.axis_size("data"), lax.axis_index("data")
+    if stage == 1:
+        if res is None:
+            total, new_res = cc.psum(flats, "data", codec=codec, key=key), None
+        else:
+            total, new_res = cc.psum_ef(flats, res, "data", codec=codec, key=key)
+        return [lax.dynamic_slice_in_dim(t, r * (t.size // d), t.size // d) for t in total], new_res
+    kw = dict(scatter_dimension=0, tiled=True, codec=codec, key=key)
+    if res is not None:
+        return cc.psum_scatter_ef(flats, res, "data", **kw)
+    return cc.psum_scatter(flats, "data", **kw), None
+
+
+def _check_args(stage, clip_norm, compress):
+    if stage not in (1, 2) or isinstance(stage, bool):
+        raise ValueError(f"stage must be 1 (all-reduce) or 2 (reduce-scatter); got {stage!r}")
+    _check("clip_norm", _number("clip_norm", clip_norm), clip_norm >= 0, ">= 0 (0 disables)")
+    if not isinstance(compress, bool):
+        raise TypeError(f"compress must be a Python bool; got {compress!r}")
+
+
+def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip_norm=0.0,
+                  compress=True, step=None, key=None):
+    """One ZeRO step inside shard_map over ('data', 'tensor', 'pipeline').
+
+    grads:   local gradients, local param shapes, varying over 'data' (this rank's
+             mean loss over its own rows) and over the axes of each param's spec.
+    params:  local working params (shapes and dtypes of the result).
+    zstate:  local blocks of the state dict (see the module docstring).
+    stage:   1 = all-reduce then slice, 2 = reduce-scatter.
+    compress=False sends with codec "none" on the same state layout (a second
+    compiled variant, e.g. for warm-up). `key` (folded with `step` when given)
+    feeds codecs that draw randomness.
+    -> (new params invariant over 'data', new zstate,
+        {"grad_norm": global pre-clip norm of the mean gradient,
+         "ef_norm": global norm of the new residuals (each rank's, in summed-
+                    gradient units, before the /D), when error feedback is on}).
+    A non-finite gradient gives a non-finite grad_norm and update, never a finite one.
+    """
+    _check_args(stage, clip_norm, compress)
+    ef_on = uses_error_feedback(policy)
+    if ef_on != ("ef" in zstate):
+        raise ValueError(f"zstate['ef'] must be {'present' if ef_on else 'absent'} for policy "
+                         f"{policy}; build the state with init_state for this policy")
+    grad_codec = policy["data", "grad"] if compress else "none"
+    param_codec = policy["data", "param"] if compress else "none"
+    if key is not None and step is not None:
+        key = jax.random.fold_in(key, step)
+    k_grad, k_param = (None, None) if key is None else tuple(jax.random.split(key))
+
+    treedef = jax.tree.structure(grads)
+    axes = [_spec_axes(s) for s in treedef.flatten_up_to(param_specs)]
+    p_leaves = treedef.flatten_up_to(params)
+    masters = treedef.flatten_up_to(zstate["master"])
+    flats = _padded_grads(grads, p_leaves, masters, axes, layout_multiple(policy))
+    res_leaves = treedef.flatten_up_to(zstate["ef"]) if ef_on else None
+    res = [r.reshape(-1) for r in res_leaves] if ef_on else None
+    own, new_res = _reduce(flats, res, stage, grad_codec, k_grad)
+    d = lax.axis_size("data")
+    g_shards = [(o.astype(jnp.float32) / d).reshape(m.shape) for o, m in zip(own, masters)]
+    norm_axes = [("data",) + ax for ax in axes]
+    grad_norm = _norm_global(g_shards, norm_axes)
+    if clip_norm > 0:
+        # NaN norm -> NaN scale: a bad step stays visible to the caller's guard.
+        g_shards = [g * jnp.minimum(1.0, clip_norm / grad_norm) for g in g_shards]
+
+    master_tree = jax.tree.unflatten(treedef, masters)
+    updates, new_opt = tx.update(jax.tree.unflatten(treedef, g_shards), zstate["opt"], master_tree)
+    new_master = optax.apply_updates(master_tree, updates)
+    new_params = _gather_params(treedef.flatten_up_to(new_master), p_leaves, param_codec, k_param)
+
+    new_state = {"master": new_master, "opt": new_opt}
+    stats = {"grad_norm": grad_norm}
+    if ef_on:
+        new_state["ef"] = jax.tree.unflatten(
+            treedef, [n.reshape(r.shape) for n, r in zip(new_res, res_leaves)])
+        stats["ef_norm"] = _norm_global(new_res, norm_axes)
+    return jax.tree.unflatten(treedef, new_params), new_state, stats
