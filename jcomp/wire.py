@@ -187,8 +187,12 @@ class _Instr:
     line: str
 
 
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
+
+
 def _read_instr(line: str) -> _Instr | None:
     """One HLO instruction line, or None if the line is not an instruction."""
+    line = _COMMENT_RE.sub("", line)  # long tuples carry /*index=N*/ markers
     m = _INSTR_RE.match(line)
     if not m or line.lstrip().startswith(("HloModule", "ENTRY")):
         return None

@@ -1,0 +1,155 @@
+"""The 3-D parallel GPT against the single-device reference, and its traffic."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+
+from jcomp import mesh as jmesh
+from jcomp import model as gpt
+from jcomp import parallel, policy, wire
+
+CFG = gpt.ModelConfig(vocab_size=64, d_model=32, n_heads=8, n_layers=8, d_ff=64, max_seq_len=16)
+BATCH, SEQ = 16, 8
+
+
+@pytest.fixture(scope="module")
+def reference():
+    params = gpt.init_params(CFG, jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, CFG.vocab_size)
+    loss, grads = jax.jit(jax.value_and_grad(gpt.loss_fn), static_argnums=2)(params, batch, CFG)
+    return params, batch, loss, grads
+
+
+def _mesh(shape):
+    n = int(np.prod(shape))
+    return jmesh.make_mesh(shape, devices=jax.devices()[:n])
+
+
+def _place(m, params, batch):
+    return (parallel.shard_params(params, m),
+            jax.device_put(batch, NamedSharding(m, parallel.BATCH_SPEC)))
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2),
+                                   (2, 4, 1), (1, 2, 4), (4, 1, 2)])
+def test_baseline_matches_single_device_loss_and_gradients(reference, shape):
+    params, batch, ref_loss, ref_grads = reference
+    m = _mesh(shape)
+    fn = parallel.make_loss_and_grad(CFG, m, policy.preset("baseline"), microbatches=2)
+    loss, grads = fn(*_place(m, params, batch))
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for path, g, r in zip(jax.tree_util.tree_leaves_with_path(grads),
+                          jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert g.shape == r.shape
+        assert _rel(g, r) <= 1e-5, (shape, jax.tree_util.keystr(path[0]), _rel(g, r))
+
+
+def _compiled_report(m, pol, params, batch, microbatches=2):
+    fn = parallel.make_loss_and_grad(CFG, m, pol, microbatches)
+    return wire.measure(fn, *_place(m, params, batch), mesh=m)
+
+
+def test_int8_on_tensor_and_pipeline_moves_int8_there(reference):
+    params, batch, _, _ = reference
+    m = _mesh((2, 2, 2))
+    pol = policy.preset("baseline").replace({f"{a}.{k}": "int8" for a in ("tensor", "pipeline")
+                                             for k in ("act", "act_grad")})
+    report = _compiled_report(m, pol, params, batch)
+    base = _compiled_report(m, policy.preset("baseline"), params, batch)
+    # One microbatch's activation [b, L, D] in float32, per device. The only float32
+    # traffic allowed on these axes is the cross-entropy's per-token statistics
+    # (two numbers per token of the whole local batch: D / (2 M) = 8 times smaller
+    # than one microbatch's activations here) and block scales.
+    act_bytes = (BATCH // 2 // 2) * SEQ * CFG.d_model * 4
+    for axis in ("tensor", "pipeline"):
+        on_axis = [c for c in report.collectives if c.axes == (axis,)]
+        assert any(c.dtype in ("u8", "s8") for c in on_axis), report.table()
+        big_f32 = [c for c in on_axis if c.dtype == "f32" and c.bytes_per_device > act_bytes / 8]
+        assert not big_f32, report.table()
+        assert report.by_axis()[axis] < 0.35 * base.by_axis()[axis], (report.table(), base.table())
+
+
+def test_no_implicit_full_precision_gradient_reduction(reference):
+    """With every axis compressed, no float32 collective of a parameter's or an
+    activation's size remains anywhere: JAX's implicit gradient psums are gone."""
+    params, batch, _, _ = reference
+    m = _mesh((2, 2, 2))
+    report = _compiled_report(m, policy.uniform("int8"), params, batch)
+    # What may stay float32: the vocab-parallel cross-entropy's two per-token
+    # statistics over the local batch, and block scales / scalars below that.
+    # Any gradient psum JAX inserted would carry whole weight matrices (the
+    # tuple of all gradients over data is ~74 KB here) or [b, L, D] activations.
+    stats_bytes = 2 * (BATCH // 2) * SEQ * 4
+    assert stats_bytes < (BATCH // 2 // 2) * SEQ * CFG.d_model * 4
+    big_f32 = [c for c in report.collectives
+               if c.dtype == "f32" and c.bytes_per_device > stats_bytes]
+    assert not big_f32, report.table()
+
+
+def test_compressed_training_tracks_baseline(reference):
+    """A few Adam steps with int8 on tensor and pipeline stay within 1% of the baseline loss."""
+    params, batch, _, _ = reference
+    m = _mesh((2, 2, 2))
+    pol = policy.preset("baseline").replace({f"{a}.{k}": "int8" for a in ("tensor", "pipeline")
+                                             for k in ("act", "act_grad")})
+
+    def train(pol, steps=6):
+        fn = parallel.make_loss_and_grad(CFG, m, pol, microbatches=2)
+        p, b = _place(m, params, batch)
+        tx = optax.adam(3e-3)
+        opt = tx.init(p)
+        losses = []
+        for _ in range(steps):
+            loss, g = fn(p, b)
+            losses.append(float(loss))
+            updates, opt = tx.update(g, opt, p)
+            p = optax.apply_updates(p, updates)
+        return losses
+
+    base, comp = train(policy.preset("baseline")), train(pol)
+    assert base[-1] < base[0] - 0.05, base  # the run actually trains
+    assert abs(comp[-1] - base[-1]) <= 0.01 * base[-1], (comp, base)
+
+
+def _bytes_on_device0(tree):
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (1, 2, 4), (1, 8, 1)])
+def test_parameter_bytes_fall_as_one_over_tensor_times_pipeline(reference, shape):
+    params, _, _, _ = reference
+    m = _mesh(shape)
+    placed = parallel.shard_params(params, m)
+    _, t, p = shape
+    layers_total = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
+    # Layer-wise LayerNorm params and row-parallel biases are replicated over tensor.
+    replicated = sum(x.nbytes for k, x in jax.tree_util.tree_leaves_with_path(params["layers"])
+                     if gpt.TENSOR_SHARDED_DIMS[tuple(getattr(e, "key", e) for e in k)] is None)
+    assert _bytes_on_device0(placed["layers"]) == (layers_total - replicated) // (t * p) + replicated // p
+    # The embedding is split over tensor and replicated over pipeline (see parallel.py).
+    assert _bytes_on_device0(placed["embed"]) == params["embed"].nbytes // t
+
+
+@pytest.mark.parametrize("field,cfg_kw,shape,batch,micro", [
+    ("model.n_heads", dict(n_heads=6, d_model=36), (1, 4, 2), 16, 2),
+    ("model.n_layers", dict(n_layers=6), (1, 2, 4), 16, 2),
+    ("batch_size", {}, (4, 1, 2), 12, 2),
+    ("model.vocab_size", dict(vocab_size=66), (1, 4, 2), 16, 2),
+])
+def test_bad_layouts_name_the_field(field, cfg_kw, shape, batch, micro):
+    cfg = gpt.ModelConfig(**{**dict(vocab_size=64, d_model=32, n_heads=8, n_layers=8, d_ff=64,
+                                    max_seq_len=16), **cfg_kw})
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        parallel.check_layout(cfg, dict(zip(jmesh.AXES, shape)), batch, micro)
+
+
+def test_predicted_bubble():
+    assert parallel.predicted_bubble(1, 4) == 0.0
+    assert parallel.predicted_bubble(4, 4) == pytest.approx(3 / 7)
