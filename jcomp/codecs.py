@@ -103,7 +103,11 @@ class Identity:
 @dataclasses.dataclass(frozen=True)
 class Cast:
     """`bf16` / `fp16`: a plain cast to a narrower float. Inf/NaN survive the cast;
-    fp16 overflows to +-Inf above 65504 (it never saturates to a finite value)."""
+    fp16 overflows to +-Inf above 65504 (it never saturates to a finite value).
+
+    The 16-bit values travel as uint16 bits: XLA on CPU widens bf16 collectives
+    to f32 in the compiled program, which would send the full f32 bytes.
+    """
 
     name: str
     wire_dtype: Any
@@ -113,10 +117,12 @@ class Cast:
 
     def encode(self, x, *, key=None) -> Payload:
         _check_float(x, self.name)
-        return {"x": _as_rows(x).astype(self.wire_dtype)}
+        narrow = _as_rows(x).astype(self.wire_dtype)
+        return {"x": jax.lax.bitcast_convert_type(narrow, jnp.uint16)}
 
     def decode(self, payload: Payload, shape, dtype):
-        return payload["x"].reshape(shape).astype(dtype)
+        narrow = jax.lax.bitcast_convert_type(payload["x"], self.wire_dtype)
+        return narrow.reshape(shape).astype(dtype)
 
     def wire_bytes(self, shape, dtype) -> int:
         return max(_numel(shape), 1) * _itemsize(self.wire_dtype)
