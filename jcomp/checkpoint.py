@@ -1,0 +1,388 @@
+"""Checkpoints of a sharded train state, written and read by orbax.
+
+    ckpt = Checkpointer(workdir / "ckpt", save_every=500, keep=3)
+    restored = ckpt.restore(abstract_like(state), expect_meta={"model": model_cfg})
+    if restored is not None:
+        state, meta, step = restored
+    ...
+    ckpt.maybe_save(step, state, {"step": step, "data": ds.state(step), "model": model_cfg})
+    ckpt.close()
+
+Each step directory holds three orbax items: `state` (the pytree of arrays,
+written by every process for its own shards), `meta` (the caller's JSON dict)
+and `checksums` (a 64-bit checksum per array, see `tree_checksums`).
+
+What counts as a usable checkpoint. Orbax writes a step into a temporary
+directory and renames it when done, so a save killed half-way never appears
+under its step name; it also writes `commit_success.txt` last, and a step
+directory without that marker is treated as incomplete. Damage after the
+fact is caught at restore time: orbax's own b-tree nodes carry CRC-32C, but
+the bulk array data does not, so a flipped bit there would restore silently;
+the stored checksums catch that. `restore` walks the steps newest first,
+reports every one it cannot use (path and reason, via `logging.warning` and
+`Checkpointer.skipped`) and returns the first good one. It raises
+`CheckpointError` when checkpoints exist but none is usable, and returns None
+only when there are none at all. It never deletes or rewrites a step.
+
+A checkpoint written for another model (different `expect_meta` fields, or
+arrays of other shapes, dtypes or tree paths) raises `CheckpointError` at once
+instead of falling back: older steps of the same run would not fit either.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Mapping, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax import lax
+
+COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, in both atomicity modes
+_STATE, _META, _SUMS = "state", "meta", "checksums"
+_GOLDEN = 0x9E3779B9
+_log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint exists but cannot be used; `failures` lists (path, reason)."""
+
+    def __init__(self, message: str, failures=()):
+        super().__init__(message)
+        self.failures = list(failures)
+
+
+class Restored(NamedTuple):
+    """What `Checkpointer.restore` returns: unpacks as (state, meta, step)."""
+
+    state: Any
+    meta: dict
+    step: int
+
+
+# ---------------------------------------------------------------- checksums
+
+
+def _fmix32(h_N):
+    """MurmurHash3's finalizer: a bijection of uint32, so distinct words stay distinct."""
+    h_N = h_N ^ (h_N >> 16)
+    h_N = h_N * jnp.uint32(0x85EBCA6B)
+    h_N = h_N ^ (h_N >> 13)
+    h_N = h_N * jnp.uint32(0xC2B2AE35)
+    return h_N ^ (h_N >> 16)
+
+
+def _as_words(x):
+    """The bits of `x` as uint32 words: same shape, plus a trailing dim for 8-byte dtypes."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = x.dtype.itemsize
+    if size == 4:
+        return lax.bitcast_convert_type(x, jnp.uint32)
+    if size in (1, 2):
+        return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
+    return lax.bitcast_convert_type(x, jnp.uint32)  # [..., itemsize // 4]
+
+
+def _flat_index(shape):
+    """Row-major position of each element as uint32 (wrapping), built without a reshape
+    so that a sharded array is never gathered."""
+    idx = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        idx = idx + lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+        stride *= shape[d]
+    return idx
+
+
+def _leaf_sums(x):
+    """Two uint32 sums over the elements of `x`, each term a bijection of the element's
+    bits keyed by its position. Integer sums are exact in any order, so the result does
+    not depend on the sharding, and changing any one element changes both sums."""
+    w = _as_words(x)
+    pos = _flat_index(w.shape)
+    a = _fmix32(w + _fmix32(pos * jnp.uint32(_GOLDEN)))
+    b = _fmix32(w ^ _fmix32(pos * jnp.uint32(_GOLDEN) + jnp.uint32(1)))
+    return jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)
+
+
+_tree_sums = jax.jit(lambda leaves: [_leaf_sums(x) for x in leaves])
+
+
+def _path_name(path) -> str:
+    """A key path as 'a/b/0', the spelling orbax's stored tree also flattens to."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _host_int(x) -> int:
+    # A reduction's result is replicated; every process holds a copy of it.
+    return int(np.asarray(x.addressable_shards[0].data))
+
+
+def tree_checksums(state) -> dict[str, str]:
+    """{'a/b/0': 16 hex digits} for each array of `state`, independent of its sharding."""
+    named = jax.tree_util.tree_flatten_with_path(state)[0]
+    for path, leaf in named:
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            raise TypeError(
+                f"state leaf {_path_name(path)!r} must be a jax.Array or numpy array; "
+                f"got {type(leaf).__name__}"
+            )
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"state leaf {_path_name(path)!r} is a typed PRNG key; "
+                "store jax.random.key_data(key) instead"
+            )
+    # One jitted call per set of devices: a call cannot mix arrays committed to
+    # different devices (a restored scalar sits on one device, the weights on the mesh).
+    groups: dict = {}
+    for i, (_, leaf) in enumerate(named):
+        devices = leaf.sharding.device_set if isinstance(leaf, jax.Array) else None
+        groups.setdefault(frozenset(d.id for d in devices or ()), []).append(i)
+    sums = [None] * len(named)
+    for idx in groups.values():
+        for i, pair in zip(idx, _tree_sums([named[i][1] for i in idx])):
+            sums[i] = pair
+    return {
+        _path_name(path): f"{_host_int(a):08x}{_host_int(b):08x}"
+        for (path, _), (a, b) in zip(named, sums)
+    }
+
+
+# ---------------------------------------------------------------- checks
+
+
+def abstract_like(state):
+    """ShapeDtypeStructs with the shardings of `state`'s arrays: what `restore` takes."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+def _flat_fields(d, prefix: str) -> dict:
+    """{'model.d_model': 64, ...} from nested dicts."""
+    if not isinstance(d, Mapping):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out.update(_flat_fields(v, f"{prefix}.{k}"))
+    return out
+
+
+def _meta_mismatches(saved: dict, expect: Mapping) -> list[str]:
+    """One phrase per field of `expect` whose saved value differs."""
+    # A JSON round trip makes tuples lists and keys strings, as they were when saved.
+    expect = json.loads(json.dumps(expect))
+    problems = []
+    for top, want in expect.items():
+        have = _flat_fields(saved[top], top) if top in saved else {}
+        want = _flat_fields(want, top)
+        for name in sorted(set(have) | set(want)):
+            if name not in have:
+                problems.append(f"it has no {name}, this run has {name}={want[name]!r}")
+            elif name not in want:
+                problems.append(f"it was written for {name}={have[name]!r}, this run has no {name}")
+            elif have[name] != want[name]:
+                problems.append(
+                    f"it was written for {name}={have[name]!r}, this run has {name}={want[name]!r}"
+                )
+    return problems
+
+
+def _array_mismatches(stored_tree, abstract) -> list[str]:
+    """One phrase per array whose path, shape or dtype differs between the stored tree
+    (orbax metadata) and `abstract`."""
+    has_shape = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
+    stored = jax.tree_util.tree_flatten_with_path(stored_tree, is_leaf=has_shape)[0]
+    have = {_path_name(p): m for p, m in stored}
+    want = {_path_name(p): a for p, a in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    problems = [f"it lacks array {n!r}" for n in sorted(set(want) - set(have))]
+    problems += [f"it has array {n!r}, this run's state has not" for n in sorted(set(have) - set(want))]
+    for n in sorted(set(have) & set(want)):
+        h, w = have[n], want[n]
+        if tuple(h.shape) != tuple(w.shape) or jnp.dtype(h.dtype) != jnp.dtype(w.dtype):
+            problems.append(
+                f"its array {n!r} is {jnp.dtype(h.dtype).name}{list(h.shape)}, "
+                f"this run has {jnp.dtype(w.dtype).name}{list(w.shape)}"
+            )
+    return problems
+
+
+def _check_abstract(abstract):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        if not isinstance(leaf, jax.ShapeDtypeStruct) or leaf.sharding is None:
+            raise TypeError(
+                f"abstract_state leaf {_path_name(path)!r} must be a jax.ShapeDtypeStruct "
+                f"with a sharding (see abstract_like); got {leaf!r}"
+            )
+
+
+def _check_count(name: str, value, minimum: int):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")
+
+
+def _json_meta(meta) -> dict:
+    if not isinstance(meta, Mapping):
+        raise TypeError(f"meta must be a dict; got {type(meta).__name__}")
+    try:
+        return json.loads(json.dumps(dict(meta), allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"meta must be JSON-serialisable with finite numbers: {e}") from e
+
+
+def _reason(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first[:300]}"
+
+
+# ---------------------------------------------------------------- the manager
+
+
+class Checkpointer:
+    """Saves every `save_every` steps into `directory`, keeping the newest `keep`."""
+
+    def __init__(self, directory, *, save_every: int, keep: int, async_save: bool = True):
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a str or path; got {type(directory).__name__}")
+        _check_count("save_every", save_every, 1)
+        _check_count("keep", keep, 1)
+        self.directory = epath.Path(directory).absolute()
+        self.save_every = int(save_every)
+        self.skipped: list[tuple[str, str]] = []  # (path, reason), from the last restore
+        options = ocp.CheckpointManagerOptions(
+            create=True,
+            preservation_policy=ocp.checkpoint_managers.LatestN(int(keep)),
+            enable_async_checkpointing=bool(async_save),
+        )
+        self._mngr = ocp.CheckpointManager(self.directory, options=options)
+
+    def step_path(self, step: int) -> epath.Path:
+        return self.directory / str(step)
+
+    def steps(self) -> list[int]:
+        """Steps present on disk, committed or not (temporary directories excluded).
+        Waits for a save in flight first, so that it is listed."""
+        self.wait()
+        self._mngr.reload()
+        return sorted(self._mngr.all_steps())
+
+    def latest_step(self) -> Optional[int]:
+        """The newest step whose save completed (restore may still find it damaged)."""
+        done = [s for s in self.steps() if (self.step_path(s) / COMMIT_MARKER).exists()]
+        return max(done) if done else None
+
+    def maybe_save(self, step: int, state, meta: Mapping, force: bool = False) -> bool:
+        """Starts saving `state` and `meta` when step % save_every == 0 or `force`.
+
+        Returns whether a save started. A step that already has a directory is left
+        untouched (a warning says so): a run resumed from an older step reaches it again.
+        """
+        _check_count("step", step, 0)
+        if not (force or step % self.save_every == 0):
+            return False
+        meta = _json_meta(meta)
+        # all_steps() also lists a save still in flight, before its directory appears.
+        if step in self._mngr.all_steps() or self.step_path(step).exists():
+            _log.warning("not saving step %d: %s already exists", step, self.step_path(step))
+            return False
+        args = ocp.args.Composite(
+            **{
+                _STATE: ocp.args.StandardSave(state),
+                _META: ocp.args.JsonSave(meta),
+                _SUMS: ocp.args.JsonSave(tree_checksums(state)),
+            }
+        )
+        return bool(self._mngr.save(int(step), args=args, force=True))
+
+    def wait(self):
+        """Blocks until the save in flight, if any, is on disk."""
+        self._mngr.wait_until_finished()
+
+    def close(self):
+        self._mngr.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def restore(self, abstract_state, step: Optional[int] = None, *, expect_meta: Optional[Mapping] = None):
+        """Restores (state, meta, step) into `abstract_state`'s shapes and shardings.
+
+        abstract_state: pytree of jax.ShapeDtypeStruct with shardings (any mesh).
+        step: a given step, or None for the newest usable one.
+        expect_meta: fields the saved meta must equal, e.g. {"model": {...}}.
+        Returns None when the directory holds no checkpoint at all.
+        """
+        _check_abstract(abstract_state)
+        if expect_meta is not None and not isinstance(expect_meta, Mapping):
+            raise TypeError(f"expect_meta must be a dict or None; got {type(expect_meta).__name__}")
+        self.skipped = []
+        present = self.steps()
+        if step is not None:
+            _check_count("step", step, 0)
+            if step not in present:
+                raise CheckpointError(
+                    f"no checkpoint for step {step} in {self.directory}; steps present: {present}"
+                )
+            present = [step]
+        if not present:
+            return None
+        for s in reversed(present):
+            try:
+                return self._restore_step(s, abstract_state, expect_meta or {})
+            except _Unusable as e:
+                self.skipped.append((str(self.step_path(s)), e.reason))
+                _log.warning("checkpoint %s cannot be used: %s", self.step_path(s), e.reason)
+        listing = "; ".join(f"{p}: {r}" for p, r in self.skipped)
+        raise CheckpointError(f"no usable checkpoint in {self.directory}: {listing}", self.skipped)
+
+    def _restore_step(self, step: int, abstract, expect_meta: Mapping) -> Restored:
+        """Raises _Unusable for a damaged step, CheckpointError for an incompatible one."""
+        path = self.step_path(step)
+        if not (path / COMMIT_MARKER).exists():
+            raise _Unusable(f"incomplete save: no {COMMIT_MARKER}")
+        small = ocp.args.Composite(**{_META: ocp.args.JsonRestore(), _SUMS: ocp.args.JsonRestore()})
+        try:
+            jsons = self._mngr.restore(step, args=small)
+            meta, sums = jsons[_META], jsons[_SUMS]
+            stored_tree = ocp.StandardCheckpointHandler().metadata(path / _STATE).tree
+        except Exception as e:  # damaged files surface as many exception types
+            raise _Unusable(_reason(e)) from e
+        if not isinstance(meta, dict) or not isinstance(sums, dict):
+            raise _Unusable("meta or checksums is not a JSON object")
+        problems = _meta_mismatches(meta, expect_meta) + _array_mismatches(stored_tree, abstract)
+        if problems:
+            raise CheckpointError(
+                f"checkpoint at {path} does not fit this run: " + "; ".join(problems)
+            )
+        try:
+            full = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
+            state = self._mngr.restore(step, args=full)[_STATE]
+        except Exception as e:
+            raise _Unusable(_reason(e)) from e
+        got = tree_checksums(state)
+        bad = sorted(n for n in got if sums.get(n) != got[n])
+        if bad:
+            raise _Unusable(f"checksum mismatch in {bad}")
+        return Restored(state, meta, step)
+
+
+class _Unusable(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
