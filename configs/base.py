@@ -1,0 +1,48 @@
+"""Defaults every config starts from: a small GPT on the King James Bible,
+byte-level tokens, a (2, 2, 2) data x tensor x pipeline mesh, no compression.
+
+    python train.py --config=configs/base.py --config.train.steps=100
+"""
+import ml_collections
+
+
+def get_config():
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict(dict(
+        vocab_size=256, d_model=128, n_heads=4, n_layers=4, d_ff=512, max_seq_len=128,
+        tie_embeddings=True, dtype="float32"))
+
+    # Sizes per axis; one may be -1 ("the rest of the devices").
+    c.mesh = ml_collections.ConfigDict(dict(data=2, tensor=2, pipeline=2))
+
+    c.data = ml_collections.ConfigDict(dict(
+        source="kjv",          # "kjv", a text file / directory / glob, or "tokens:TRAIN[,VAL]"
+        tokenizer="bytes",     # "bytes" or "bpe:N" (needs `pip install 'jcomp[bpe]'`)
+        token_dtype="",        # for token files: "uint16" or "uint32"
+        val_permille=50,       # documents whose sha1 mod 1000 falls below go to validation
+        seq_len=128,
+        eval_batches=4))
+
+    c.train = ml_collections.ConfigDict(dict(
+        steps=200, batch_size=16, microbatches=2, remat=False,
+        log_every=10, eval_every=50,
+        nonfinite="skip",      # "skip": drop the update and count it; "stop": exit 1
+        ef_reset_norm=0.0))    # >0: reset error-feedback residuals whose norm passes it
+
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=3e-3, warmup_steps=20, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
+        weight_decay=0.1, clip_norm=1.0, zero_stage=1))
+
+    # A preset, then per-(axis, kind) codec overrides ("" keeps the preset's).
+    c.compression = ml_collections.ConfigDict(dict(
+        policy="baseline",
+        error_feedback="auto",  # "auto" (the preset's), "on", "off"
+        warmup_steps=0))        # steps sent uncompressed before the policy applies
+    for axis in ("data", "tensor", "pipeline"):
+        c.compression[axis] = ml_collections.ConfigDict(
+            dict(grad="", param="", act="", act_grad=""))
+
+    c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3))
+    return c

@@ -1,0 +1,317 @@
+"""The training loop behind `train.py`: config -> mesh and policy -> model and
+step -> data, checkpoints and metrics.
+
+    train_and_evaluate(config, workdir)
+
+Bad configuration and bad input raise `UsageError` (a ValueError) before any
+file in the workdir is touched; `train.py` turns it into one line on stderr
+and exit code 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jcomp import checkpoint, codecs, data, optimizer, parallel, step, wire
+from jcomp import mesh as mesh_lib
+from jcomp import metrics as metrics_lib
+from jcomp import model as gpt
+from jcomp import policy as policy_lib
+
+_log = logging.getLogger(__name__)
+
+
+class UsageError(ValueError):
+    """A configuration or input the user must fix; the message names the field."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped on a non-finite loss or gradient (train.nonfinite="stop")."""
+
+
+# ------------------------------------------------------------------ config
+
+def _positive(cfg, name, *, zero_ok=False, integer=True):
+    value = cfg
+    for part in name.split("."):
+        value = value[part]
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise UsageError(f"{name} must be {'an integer' if integer else 'a number'}; got {value!r}")
+    if not np.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise UsageError(f"{name} must be {'>= 0' if zero_ok else '> 0'}; got {value}")
+    return value
+
+
+def build_policy(comp) -> policy_lib.Policy:
+    """config.compression -> Policy (ValueError naming the field on bad input)."""
+    if comp.policy not in policy_lib.PRESETS:
+        raise UsageError(f"compression.policy={comp.policy!r} is not one of "
+                         f"{', '.join(policy_lib.PRESETS)}")
+    if comp.error_feedback not in ("auto", "on", "off"):
+        raise UsageError(f"compression.error_feedback={comp.error_feedback!r}; "
+                         "allowed: auto, on, off")
+    overrides = {}
+    for axis in policy_lib.AXES:
+        for kind in policy_lib.KINDS:
+            spec = comp[axis][kind]
+            if spec:
+                try:
+                    codecs.parse(spec)
+                except (TypeError, ValueError) as e:
+                    raise UsageError(f"compression.{axis}.{kind}: {e}") from None
+                overrides[f"{axis}.{kind}"] = spec
+    ef = {"auto": None, "on": True, "off": False}[comp.error_feedback]
+    return policy_lib.build(comp.policy, overrides, ef)
+
+
+def _model_config(cfg) -> gpt.ModelConfig:
+    try:
+        return gpt.ModelConfig(**cfg.model.to_dict())
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e).replace("ModelConfig.", "model.")) from None
+
+
+def validate(cfg, n_devices: int):
+    """Checks the whole config before anything runs. -> (model cfg, mesh shape, policy)."""
+    model_cfg = _model_config(cfg)
+    try:
+        shape = mesh_lib.resolve_shape(cfg.mesh.to_dict(), n_devices)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"mesh: {e}") from None
+    mesh_shape = dict(zip(mesh_lib.AXES, shape))
+    for name in ("train.steps", "train.batch_size", "train.microbatches", "train.log_every",
+                 "train.eval_every", "data.seq_len", "data.eval_batches", "checkpoint.every",
+                 "checkpoint.keep"):
+        _positive(cfg, name)
+    for name in ("optim.warmup_steps", "compression.warmup_steps", "data.val_permille"):
+        _positive(cfg, name, zero_ok=True)
+    for name in ("optim.lr",):
+        _positive(cfg, name, integer=False)
+    for name in ("optim.weight_decay", "optim.clip_norm", "optim.min_lr_ratio",
+                 "train.ef_reset_norm"):
+        _positive(cfg, name, zero_ok=True, integer=False)
+    if cfg.optim.zero_stage not in (1, 2):
+        raise UsageError(f"optim.zero_stage={cfg.optim.zero_stage!r}; allowed: 1, 2")
+    if cfg.train.nonfinite not in ("skip", "stop"):
+        raise UsageError(f"train.nonfinite={cfg.train.nonfinite!r}; allowed: skip, stop")
+    if cfg.data.seq_len > model_cfg.max_seq_len:
+        raise UsageError(f"data.seq_len={cfg.data.seq_len} exceeds "
+                         f"model.max_seq_len={model_cfg.max_seq_len}")
+    try:
+        parallel.check_layout(model_cfg, mesh_shape, cfg.train.batch_size, cfg.train.microbatches)
+    except ValueError as e:
+        raise UsageError(str(e).replace("batch_size", "train.batch_size")
+                         .replace("microbatches=", "train.microbatches=")) from None
+    if cfg.train.batch_size % jax.process_count():
+        raise UsageError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
+                         f"{jax.process_count()} processes")
+    return model_cfg, shape, build_policy(cfg.compression)
+
+
+def make_tx(cfg):
+    o = cfg.optim
+    try:
+        return optimizer.make_tx(lr=o.lr, warmup_steps=o.warmup_steps, total_steps=cfg.train.steps,
+                                 min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, eps=o.eps,
+                                 weight_decay=o.weight_decay, decay_mask=optimizer.decay_mask)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"optim: {e}") from None
+
+
+def load_data(cfg, model_cfg):
+    d = cfg.data
+    try:
+        tokens = d.source.startswith("tokens:")
+        corpus = data.load(d.source, val_permille=d.val_permille, tokenizer=d.tokenizer or None,
+                           token_dtype=(d.token_dtype or None) if tokens else None,
+                           vocab_size=model_cfg.vocab_size if tokens else None)
+        if corpus.vocab_size > model_cfg.vocab_size:
+            raise ValueError(f"the tokenizer has {corpus.vocab_size} tokens but "
+                             f"model.vocab_size={model_cfg.vocab_size}")
+        train = data.Dataset(corpus.train, d.seq_len, cfg.train.batch_size, seed=cfg.seed,
+                             vocab_size=model_cfg.vocab_size)
+        val = data.val_batches(corpus.val, d.seq_len, cfg.train.batch_size, d.eval_batches,
+                               jax.process_index(), jax.process_count(),
+                               vocab_size=model_cfg.vocab_size) if len(corpus.val) else []
+    except (OSError, ValueError, ImportError) as e:
+        raise UsageError(f"data.source={d.source!r}: {e}") from None
+    return corpus, train, val
+
+
+# -------------------------------------------------------------------- loop
+
+def _global_batch(mesh, local_rows, global_rows):
+    sharding = NamedSharding(mesh, parallel.BATCH_SPEC)
+    local = np.asarray(local_rows, np.int32)
+    return jax.make_array_from_process_local_data(sharding, local, (global_rows,) + local.shape[1:])
+
+
+def _fingerprint(cfg, model_cfg, shape, pol):
+    return {"model": dataclasses.asdict(model_cfg), "mesh": list(shape),
+            "zero_stage": int(cfg.optim.zero_stage), "policy": pol.as_dict(),
+            "error_feedback": bool(optimizer.uses_error_feedback(pol))}
+
+
+class _StopFlag:
+    """SIGTERM, or the first SIGINT, asks the loop to save and stop after this step."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+    def agreed(self, step_no: int) -> bool:
+        """All processes stop at the same step: JAX's preemption sync point on
+        clusters, this process's own flag otherwise."""
+        if jax.process_count() > 1:
+            try:
+                from jax.experimental import multihost_utils
+                return bool(multihost_utils.reached_preemption_sync_point(step_no)) or \
+                    self.requested
+            except Exception:  # no preemption service: fall back to the local flag
+                return self.requested
+        return self.requested
+
+
+def train_and_evaluate(cfg, workdir: str) -> dict:
+    """Trains per `cfg`, resuming from `workdir` when it holds checkpoints.
+    Returns the last logged metrics."""
+    model_cfg, shape, pol = validate(cfg, len(jax.devices()))
+    tx = make_tx(cfg)
+    corpus, train_ds, val = load_data(cfg, model_cfg)
+    mesh = mesh_lib.make_mesh(shape)
+    shapes = jax.eval_shape(lambda: gpt.init_params(model_cfg, jax.random.key(cfg.seed)))
+    fingerprint = _fingerprint(cfg, model_cfg, shape, pol)
+
+    ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+    ckpt = None
+    restored = None
+    if os.path.isdir(ckpt_dir):
+        ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
+                                       keep=cfg.checkpoint.keep)
+        try:
+            restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, pol),
+                                    expect_meta={"fingerprint": fingerprint})
+        except checkpoint.CheckpointError as e:
+            raise UsageError(f"checkpoint: {e}") from None
+    os.makedirs(workdir, exist_ok=True)
+    if ckpt is None:
+        ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
+                                       keep=cfg.checkpoint.keep)
+    if restored is not None:
+        state, meta, start = restored
+        train_ds.restore(meta["data"])
+        _log.info("resumed from %s at step %d", ckpt.step_path(start), start)
+    else:
+        params = gpt.init_params(model_cfg, jax.random.key(cfg.seed))
+        state, start = step.init_state(params, mesh, tx, pol), 0
+
+    common = dict(microbatches=cfg.train.microbatches, zero_stage=cfg.optim.zero_stage,
+                  clip_norm=float(cfg.optim.clip_norm), remat=cfg.train.remat)
+    compiled = {}
+
+    def compiled_step(compress: bool, state, batch):
+        if compress not in compiled:
+            fn = step.make_train_step(model_cfg, mesh, pol, tx, shapes, compress=compress, **common)
+            exe = fn.lower(state, batch).compile()
+            compiled[compress] = (exe, wire.measure_compiled(exe, mesh))
+        return compiled[compress]
+
+    eval_fn = step.make_eval_step(model_cfg, mesh, pol, shapes, microbatches=cfg.train.microbatches)
+    writer = metrics_lib.MetricsWriter(os.path.join(workdir, "metrics.jsonl")) \
+        if jax.process_index() == 0 else None
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    last = {}
+    with _StopFlag() as stop, metrics_lib.Progress(cfg.train.steps, start) as bar:
+        for i in range(start, cfg.train.steps):
+            batch = _global_batch(mesh, train_ds.local_batch(i, jax.process_index(),
+                                                              jax.process_count()),
+                                  cfg.train.batch_size)
+            compress = i >= cfg.compression.warmup_steps
+            exe, report = compiled_step(compress, state, batch)
+            t0 = time.perf_counter()
+            state, m = exe(state, batch)
+            # Waiting on every step also keeps emulated CPU devices from deadlocking.
+            loss = float(m["loss"])
+            dt = time.perf_counter() - t0
+            done = i + 1
+            if not bool(m["finite"]):
+                msg = f"non-finite loss or gradient norm at step {done} (loss={loss})"
+                if cfg.train.nonfinite == "stop":
+                    raise NonFiniteError(msg)
+                _log.warning("%s: update skipped", msg)
+            record = {"step": done, "loss": loss, "grad_norm": float(m["grad_norm"]),
+                      "lr": float(_lr(cfg)(i)), "step_time_s": dt,
+                      "tokens_per_s": tokens_per_step / dt, "compressed": compress,
+                      "skipped_updates": int(state["skipped"])}
+            if "ef_norm" in m:
+                record["ef_norm"] = float(m["ef_norm"])
+            if done == start + 1 or compiled.get("logged") != compress:
+                compiled["logged"] = compress
+                record.update(_static_metrics(report, state))
+            if val and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+                record["val_loss"] = float(np.mean([float(eval_fn(
+                    state["params"], _global_batch(mesh, b, cfg.train.batch_size))) for b in val]))
+            if writer and (done % cfg.train.log_every == 0 or "val_loss" in record
+                           or done == cfg.train.steps or "wire_bytes_total" in record):
+                writer.write(record)
+            bar.update(done, loss=loss, tokens_per_s=record["tokens_per_s"])
+            last = record
+            stopping = stop.agreed(done)
+            if bool(m["finite"]) or cfg.train.nonfinite == "skip":
+                ckpt.maybe_save(done, state, {"data": train_ds.state(done), "step": done,
+                                              "fingerprint": fingerprint},
+                                force=stopping or done == cfg.train.steps)
+            if stopping:
+                _log.warning("stop requested: saved step %d", done)
+                break
+    ckpt.wait()
+    ckpt.close()
+    if writer:
+        writer.close()
+    return last
+
+
+def _lr(cfg):
+    o = cfg.optim
+    return optimizer.make_schedule(lr=o.lr, warmup_steps=o.warmup_steps,
+                                   total_steps=cfg.train.steps, min_lr_ratio=o.min_lr_ratio)
+
+
+def _static_metrics(report: wire.WireReport, state) -> dict:
+    """What the compiled step sends per axis, and what state sits on a device."""
+    out = {f"wire_bytes_{axis}": float(v) for axis, v in report.by_axis().items()}
+    out["wire_bytes_total"] = float(report.total())
+    if report.notes:
+        out["wire_notes"] = " | ".join(report.notes)
+    return {**out,
+            "param_bytes_per_device": step.device_bytes(state["params"]),
+            "opt_state_bytes_per_device": step.device_bytes(state["zero"]),
+            "devices": jax.device_count()}
+
+
+def config_json(cfg) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
