@@ -6,9 +6,20 @@ step -> data, checkpoints and metrics.
 Bad configuration and bad input raise `UsageError` (a ValueError) before any
 file in the workdir is touched; `train.py` turns it into one line on stderr
 and exit code 2.
+
+Test hooks. End-to-end fault tests inject faults into the real command through
+these environment variables; all are unset in normal use:
+
+    JCOMP_TEST_STEP_SLEEP=S          sleep S seconds after each step, so that a
+                                     signal can land mid-run
+    JCOMP_TEST_KILL_DURING_SAVE=K    SIGKILL this process right after the
+                                     asynchronous save of step K has started
+    JCOMP_TEST_NAN_STEP=K            give step K target ids outside [0, V), which
+                                     the vocab-parallel loss turns into a NaN loss
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -148,6 +159,42 @@ def load_data(cfg, model_cfg):
     return corpus, train, val
 
 
+# -------------------------------------------------------------- test hooks
+
+_HOOKS = {"JCOMP_TEST_STEP_SLEEP": float, "JCOMP_TEST_KILL_DURING_SAVE": int,
+          "JCOMP_TEST_NAN_STEP": int}
+
+
+def _test_hooks() -> dict:
+    """{name: value} of the test hooks that are set (see the module docstring)."""
+    out = {}
+    for name, kind in _HOOKS.items():
+        raw = os.environ.get(name, "")
+        if not raw:
+            continue
+        try:
+            value = kind(raw)
+        except ValueError:
+            value = -1
+        if not np.isfinite(value) or value < 0:
+            raise UsageError(f"environment variable {name}={raw!r} must be a "
+                             f"{'number' if kind is float else 'step number'} >= 0")
+        out[name] = value
+    return out
+
+
+def _nan_batch(rows_BxL1, vocab_size: int):
+    """Every id set to V: no vocabulary shard owns it, so the loss is NaN."""
+    return np.full(np.shape(rows_BxL1), vocab_size, np.int32)
+
+
+def _reset_ef(state):
+    """The state with its error-feedback residuals zeroed (shardings kept)."""
+    zero = dict(state["zero"])
+    zero["ef"] = jax.tree.map(jnp.zeros_like, zero["ef"])
+    return {**state, "zero": zero}
+
+
 # -------------------------------------------------------------------- loop
 
 def _global_batch(mesh, local_rows, global_rows):
@@ -200,6 +247,7 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
     """Trains per `cfg`, resuming from `workdir` when it holds checkpoints.
     Returns the last logged metrics."""
     model_cfg, shape, pol = validate(cfg, len(jax.devices()))
+    hooks = _test_hooks()
     tx = make_tx(cfg)
     corpus, train_ds, val = load_data(cfg, model_cfg)
     mesh = mesh_lib.make_mesh(shape)
@@ -213,10 +261,13 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
                                        keep=cfg.checkpoint.keep)
         try:
-            restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, pol),
-                                    expect_meta={"fingerprint": fingerprint})
-        except checkpoint.CheckpointError as e:
+            with _quiet(checkpoint._log):
+                restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, pol),
+                                        expect_meta={"fingerprint": fingerprint})
+        except checkpoint.CheckpointError as e:  # it lists every step it skipped
             raise UsageError(f"checkpoint: {e}") from None
+        for path, reason in ckpt.skipped:
+            _log.warning("checkpoint %s cannot be used: %s", path, reason)
     os.makedirs(workdir, exist_ok=True)
     if ckpt is None:
         ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
@@ -245,11 +296,13 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         if jax.process_index() == 0 else None
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     last = {}
-    with _StopFlag() as stop, metrics_lib.Progress(cfg.train.steps, start) as bar:
+    with _StopFlag() as stop, metrics_lib.Progress(cfg.train.steps, start) as bar, \
+            _finishing(ckpt, writer):
         for i in range(start, cfg.train.steps):
-            batch = _global_batch(mesh, train_ds.local_batch(i, jax.process_index(),
-                                                              jax.process_count()),
-                                  cfg.train.batch_size)
+            rows = train_ds.local_batch(i, jax.process_index(), jax.process_count())
+            if hooks.get("JCOMP_TEST_NAN_STEP") == i + 1:
+                rows = _nan_batch(rows, model_cfg.vocab_size)
+            batch = _global_batch(mesh, rows, cfg.train.batch_size)
             compress = i >= cfg.compression.warmup_steps
             exe, report = compiled_step(compress, state, batch)
             t0 = time.perf_counter()
@@ -269,6 +322,12 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
                       "skipped_updates": int(state["skipped"])}
             if "ef_norm" in m:
                 record["ef_norm"] = float(m["ef_norm"])
+                if 0 < cfg.train.ef_reset_norm < record["ef_norm"]:
+                    state = _reset_ef(state)
+                    record["ef_reset"] = True
+                    _log.warning("step %d: error-feedback residual norm %.4g exceeds "
+                                 "train.ef_reset_norm=%g: residuals reset to zero",
+                                 done, record["ef_norm"], cfg.train.ef_reset_norm)
             if done == start + 1 or compiled.get("logged") != compress:
                 compiled["logged"] = compress
                 record.update(_static_metrics(report, state))
@@ -276,23 +335,48 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
                 record["val_loss"] = float(np.mean([float(eval_fn(
                     state["params"], _global_batch(mesh, b, cfg.train.batch_size))) for b in val]))
             if writer and (done % cfg.train.log_every == 0 or "val_loss" in record
-                           or done == cfg.train.steps or "wire_bytes_total" in record):
+                           or done == cfg.train.steps or "wire_bytes_total" in record
+                           or "ef_reset" in record):
                 writer.write(record)
             bar.update(done, loss=loss, tokens_per_s=record["tokens_per_s"])
             last = record
+            time.sleep(hooks.get("JCOMP_TEST_STEP_SLEEP", 0))
             stopping = stop.agreed(done)
             if bool(m["finite"]) or cfg.train.nonfinite == "skip":
-                ckpt.maybe_save(done, state, {"data": train_ds.state(done), "step": done,
-                                              "fingerprint": fingerprint},
-                                force=stopping or done == cfg.train.steps)
+                saving = ckpt.maybe_save(done, state, {"data": train_ds.state(done), "step": done,
+                                                       "fingerprint": fingerprint},
+                                         force=stopping or done == cfg.train.steps)
+                if saving and hooks.get("JCOMP_TEST_KILL_DURING_SAVE") == done:
+                    os.kill(os.getpid(), signal.SIGKILL)
             if stopping:
                 _log.warning("stop requested: saved step %d", done)
                 break
-    ckpt.wait()
-    ckpt.close()
-    if writer:
-        writer.close()
     return last
+
+
+@contextlib.contextmanager
+def _quiet(logger):
+    """Holds back `logger`'s warnings: the error raised when no checkpoint is
+    usable repeats them, and must stay the only line."""
+    old = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
+
+
+@contextlib.contextmanager
+def _finishing(ckpt, writer):
+    """However the loop ends (done, stopped, an error), the save in flight is
+    completed and the files are closed, so the last checkpoint stays usable."""
+    try:
+        yield
+    finally:
+        ckpt.wait()
+        ckpt.close()
+        if writer:
+            writer.close()
 
 
 def _lr(cfg):
