@@ -276,6 +276,7 @@ def main(argv=None):
         print(f"NOTE {n}")
     out = dict(jax_version=jax.__version__, backend=jax.default_backend(),
                device_kind=jax.devices()[0].device_kind, device_count=jax.device_count(),
+               xla_flags=os.environ.get("XLA_FLAGS", ""),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                model=dict(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_heads=cfg.n_heads,
                           n_layers=cfg.n_layers, d_ff=cfg.d_ff), batch=args.batch, seq=args.seq,
