@@ -15,6 +15,10 @@ to length L and zero-padded to D*c, with
     "opt"     the optax state of those shards   (D, T', P', c) per moment, scalars P()
     "ef"      error-feedback residuals          (D, T', P', D*c), only when
               `uses_error_feedback(policy)`
+    "psgd_q"  PowerSGD right factors Q          (T', P', n, R), only when
+              policy["data", "grad"] is a `powersgd.PowerSGD`: float32, one
+              per tensor/pipeline block (n = its last dim, R = the rank),
+              replicated over 'data'
 
 with T' = T if the leaf is sharded over 'tensor' else 1 (P' likewise), laid out
 by `zero_spec`: inside `shard_map` a block is (1, 1, 1, c) ((1, 1, 1, D*c) for
@@ -22,6 +26,11 @@ by `zero_spec`: inside `shard_map` a block is (1, 1, 1, c) ((1, 1, 1, D*c) for
 per-device state: each data rank keeps what its own full-length contribution
 [D*c] still owes the sum, for stage 1 and stage 2 alike. The layout depends on
 (D, T, P) and the policy's codecs; a checkpoint restores onto the same layout.
+
+With a PowerSGD gradient policy, step 1 below is instead `powersgd.reduce` of
+each leaf's local block (stage 1 only: its factors are all-reduced, so every
+rank gets the whole rank-R mean, of which it keeps slice r); its residual
+lives in the first L entries of the leaf's "ef" buffer.
 
 One step, inside the train step's `shard_map` (`apply_updates`):
   1. reduce the local gradients over 'data': stage 1 all-reduces the padded
@@ -56,6 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from jcomp import codecs
 from jcomp import collectives as cc
+from jcomp import powersgd
 
 SHARD_AXES = ("tensor", "pipeline")  # the axes working params may be split over
 NO_DECAY_NAMES = ("bias", "scale")
@@ -163,9 +173,22 @@ def zero_specs(param_specs):
     return jax.tree.map(zero_spec, param_specs)
 
 
+def grad_codec(policy):
+    """policy["data", "grad"] as a codec object: a `powersgd.PowerSGD` as it is,
+    anything else through codecs.parse."""
+    spec = policy["data", "grad"]
+    return spec if isinstance(spec, powersgd.PowerSGD) else codecs.parse(spec)
+
+
+def _powersgd(policy):
+    """The PowerSGD gradient codec of `policy`, or None."""
+    spec = policy["data", "grad"]
+    return spec if isinstance(spec, powersgd.PowerSGD) else None
+
+
 def layout_multiple(policy) -> int:
     """Shard length multiple: rows of the grad and param codecs code without padding."""
-    return math.lcm(codecs.parse(policy["data", "grad"]).row_multiple,
+    return math.lcm(grad_codec(policy).row_multiple,
                     codecs.parse(policy["data", "param"]).row_multiple)
 
 
@@ -177,7 +200,7 @@ def shard_len(n_local: int, n_data: int, multiple: int) -> int:
 
 def uses_error_feedback(policy) -> bool:
     """Whether the state carries residuals: the policy asks and the grad codec is lossy."""
-    return bool(policy.error_feedback) and codecs.parse(policy["data", "grad"]).kind != "identity"
+    return bool(policy.error_feedback) and grad_codec(policy).kind != "identity"
 
 
 def _local_shape(shape, spec, sizes) -> tuple:
@@ -206,6 +229,25 @@ def _state_leaves(params, param_specs, mesh, policy, width):
     return jax.tree.map(one, params, param_specs)
 
 
+def _q_spec(spec) -> P:
+    """PartitionSpec of a (T', P', n, R) PowerSGD Q leaf: replicated over 'data'."""
+    axes = _spec_axes(spec)
+    return P(*(a if a in axes else None for a in SHARD_AXES), None, None)
+
+
+def _q_leaves(params, param_specs, mesh, rank):
+    """Per leaf, a float32 ShapeDtypeStruct (T', P', n, R) of its PowerSGD Q."""
+    sizes = dict(mesh.shape)
+
+    def one(param, spec):
+        n = powersgd.matrix_shape(_local_shape(param.shape, spec, sizes))[1]
+        axes = _spec_axes(spec)
+        shape = (*(sizes[a] if a in axes else 1 for a in SHARD_AXES), n, rank)
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    return jax.tree.map(one, params, param_specs)
+
+
 # -------------------------------------------------------------------- state
 
 def state_specs(param_specs, tx, policy):
@@ -218,6 +260,8 @@ def state_specs(param_specs, tx, policy):
     out = {"master": zspecs, "opt": opt}
     if uses_error_feedback(policy):
         out["ef"] = zspecs
+    if _powersgd(policy) is not None:
+        out["psgd_q"] = jax.tree.map(_q_spec, param_specs)
     return out
 
 
@@ -228,6 +272,8 @@ def abstract_state(params, param_specs, mesh, tx, policy):
     state = {"master": master, "opt": jax.eval_shape(tx.init, master)}
     if uses_error_feedback(policy):
         state["ef"] = _state_leaves(params, param_specs, mesh, policy, lambda c, d: d * c)
+    if _powersgd(policy) is not None:
+        state["psgd_q"] = _q_leaves(params, param_specs, mesh, _powersgd(policy).rank)
     specs = state_specs(param_specs, tx, policy)
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
@@ -245,7 +291,8 @@ def _own_slice(param, multiple):
 
 def init_state(params, param_specs, mesh, tx, policy):
     """The state dict, created in its shardings: master = exact float32 slices of
-    `params` (global working params), opt = tx.init(master), ef = zeros."""
+    `params` (global working params), opt = tx.init(master), ef = zeros,
+    psgd_q = standard normal from powersgd.Q_SEED (the same on every data rank)."""
     multiple = layout_multiple(policy)
     specs = state_specs(param_specs, tx, policy)
     slicer = jax.shard_map(lambda p: jax.tree.map(lambda x: _own_slice(x, multiple), p),
@@ -258,6 +305,10 @@ def init_state(params, param_specs, mesh, tx, policy):
         shapes = abstract_state(params, param_specs, mesh, tx, policy)["ef"]
         state["ef"] = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
                               out_shardings=jax.tree.map(lambda a: a.sharding, shapes))()
+    if "psgd_q" in specs:
+        shapes = abstract_state(params, param_specs, mesh, tx, policy)["psgd_q"]
+        state["psgd_q"] = jax.jit(lambda: powersgd.init_qs(shapes),
+                                  out_shardings=jax.tree.map(lambda a: a.sharding, shapes))()
     return state
 
 
@@ -324,6 +375,29 @@ def _reduce(flats, res, stage, codec, key):
     return cc.psum_scatter(flats, "data", **kw), None
 
 
+def _reduce_lowrank(flats, p_leaves, q_leaves, res, codec, key):
+    """PowerSGD of each leaf's local block over 'data' (`powersgd.reduce`).
+
+    flats: zero-padded [D*c] local gradients; q_leaves: (1, 1, n, R) Qs; res:
+    [D*c] residuals or None. -> (this rank's [c] slices of the mean gradients,
+    new Qs, new [D*c] residuals or None)."""
+    d, r = lax.axis_size("data"), lax.axis_index("data")
+    own, new_qs, new_res = [], [], []
+    for i, (flat, p, q) in enumerate(zip(flats, p_leaves, q_leaves)):
+        pad = flat.size - p.size
+        res_leaf = None if res is None else res[i][:p.size].reshape(p.shape)
+        k = None if key is None else jax.random.fold_in(key, i)
+        mean, q_new, res_new = powersgd.reduce(flat[:p.size].reshape(p.shape),
+                                               q.reshape(q.shape[-2:]), res_leaf, "data",
+                                               codec=codec, key=k)
+        mean_flat = jnp.pad(mean.reshape(-1).astype(jnp.float32), (0, pad))
+        own.append(lax.dynamic_slice_in_dim(mean_flat, r * (flat.size // d), flat.size // d))
+        new_qs.append(q_new.reshape(q.shape))
+        if res_new is not None:
+            new_res.append(jnp.pad(res_new.reshape(-1), (0, pad)))
+    return own, new_qs, (new_res if res is not None else None)
+
+
 def _check_args(stage, clip_norm, compress):
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(f"stage must be 1 (all-reduce) or 2 (reduce-scatter); got {stage!r}")
@@ -340,7 +414,7 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
              mean loss over its own rows) and over the axes of each param's spec.
     params:  local working params (shapes and dtypes of the result).
     zstate:  local blocks of the state dict (see the module docstring).
-    stage:   1 = all-reduce then slice, 2 = reduce-scatter.
+    stage:   1 = all-reduce then slice, 2 = reduce-scatter (ValueError with PowerSGD).
     compress=False sends with codec "none" on the same state layout (a second
     compiled variant, e.g. for warm-up). `key` (folded with `step` when given)
     feeds codecs that draw randomness.
@@ -351,11 +425,15 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     A non-finite gradient gives a non-finite grad_norm and update, never a finite one.
     """
     _check_args(stage, clip_norm, compress)
-    ef_on = uses_error_feedback(policy)
-    if ef_on != ("ef" in zstate):
-        raise ValueError(f"zstate['ef'] must be {'present' if ef_on else 'absent'} for policy "
-                         f"{policy}; build the state with init_state for this policy")
-    grad_codec = policy["data", "grad"] if compress else "none"
+    ef_on, psgd = uses_error_feedback(policy), _powersgd(policy)
+    for name, on in (("ef", ef_on), ("psgd_q", psgd is not None)):
+        if on != (name in zstate):
+            raise ValueError(f"zstate[{name!r}] must be {'present' if on else 'absent'} for "
+                             f"policy {policy}; build the state with init_state for this policy")
+    if psgd is not None and stage != 1:
+        raise ValueError("powersgd works with optim.zero_stage=1: its factors are all-reduced, "
+                         f"not reduce-scattered; got stage={stage} with data.grad={psgd}")
+    g_codec = policy["data", "grad"] if compress else "none"
     param_codec = policy["data", "param"] if compress else "none"
     if key is not None and step is not None:
         key = jax.random.fold_in(key, step)
@@ -368,9 +446,15 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     flats = _padded_grads(grads, p_leaves, masters, axes, layout_multiple(policy))
     res_leaves = treedef.flatten_up_to(zstate["ef"]) if ef_on else None
     res = [r.reshape(-1) for r in res_leaves] if ef_on else None
-    own, new_res = _reduce(flats, res, stage, grad_codec, k_grad)
-    d = lax.axis_size("data")
-    g_shards = [(o.astype(jnp.float32) / d).reshape(m.shape) for o, m in zip(own, masters)]
+    new_qs = None
+    if psgd is not None and compress:
+        q_leaves = treedef.flatten_up_to(zstate["psgd_q"])
+        own, new_qs, new_res = _reduce_lowrank(flats, p_leaves, q_leaves, res, psgd, k_grad)
+    else:
+        own, new_res = _reduce(flats, res, stage, g_codec, k_grad)
+        d = lax.axis_size("data")
+        own = [o.astype(jnp.float32) / d for o in own]
+    g_shards = [o.reshape(m.shape) for o, m in zip(own, masters)]
     norm_axes = [("data",) + ax for ax in axes]
     grad_norm = _norm_global(g_shards, norm_axes)
     if clip_norm > 0:
@@ -383,6 +467,9 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     new_params = _gather_params(treedef.flatten_up_to(new_master), p_leaves, param_codec, k_param)
 
     new_state = {"master": new_master, "opt": new_opt}
+    if psgd is not None:  # compress=False leaves Q as it was
+        new_state["psgd_q"] = (zstate["psgd_q"] if new_qs is None
+                               else jax.tree.unflatten(treedef, new_qs))
     stats = {"grad_norm": grad_norm}
     if ef_on:
         new_state["ef"] = jax.tree.unflatten(

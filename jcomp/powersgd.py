@@ -1,0 +1,219 @@
+"""PowerSGD: rank-R data-parallel gradient reduction (Vogels et al., NeurIPS 2019).
+
+    psgd = powersgd.parse("powersgd:rank=4:factor=bf16:fallback=int8")
+    mean_g, q, res = powersgd.reduce(g, q, res, "data", codec=psgd)   # inside shard_map
+
+Each gradient leaf is viewed as a matrix M of shape (m, n) with
+m = prod(shape[:-1]) and n = shape[-1]: the output features stay the columns,
+and stacked layers ([L, I, O]) share one right factor Q. One step is one
+power iteration warm-started from the previous step's Q (Algorithm 1 of the
+paper, with error feedback as in its Algorithm 2):
+
+    M_i = g_i + e_i                       data rank i: gradient plus residual
+    P   = sum_i M_i Q                     all-reduce of (m, R) over 'data'
+    P^  = orthonormal basis of P          float32 QR, same on every rank
+    Q'  = mean_i M_i^T P^                 all-reduce of (n, R) over 'data'
+    out = P^ Q'^T                         the mean gradient's rank-R estimate
+    e_i = M_i - out                       what rank i's contribution still owes
+
+The residual is taken against the aggregated estimate, as the paper's
+reference code and torch's PowerSGD hook do, so that
+D * out + sum_i e_i(new) == sum_i (g_i + e_i(old)) holds exactly, even with a
+lossy factor codec: every rank decodes the same P^ and Q'. Q' is the next
+step's Q, identical on every data rank. Only (m + n) * R numbers per leaf are
+all-reduced instead of m * n.
+
+A leaf that is a scalar or a vector, or where low rank would not save at least
+`min_compression`x ((m + n) * R * min_compression >= m * n), is all-reduced
+with the `fallback` codec instead (with error feedback when a residual is kept).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jcomp import codecs
+from jcomp import collectives as cc
+
+VALID_FORM = ("powersgd:rank=R[:factor=CODEC][:fallback=CODEC][:min_compression=F] "
+              "(R an int >= 1, F a number >= 1, CODEC a codec spec without ':' such as "
+              "none, bf16, int8)")
+Q_SEED = 0  # every data rank draws the same initial Q from it
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSGD:
+    """Rank-`rank` gradient reduction. `factor_codec` codes the P and Q
+    all-reduces, `fallback` the leaves that stay dense (see the module docstring)."""
+
+    rank: int
+    factor_codec: str = "none"
+    fallback: str = "none"
+    min_compression: float = 2.0
+    name = "powersgd"
+    kind = "lowrank"
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, numbers.Integral):
+            raise TypeError(f"PowerSGD rank must be an int; got {self.rank!r}")
+        if self.rank < 1:
+            raise ValueError(f"PowerSGD rank must be >= 1; got {self.rank}")
+        mc = self.min_compression
+        if isinstance(mc, bool) or not isinstance(mc, numbers.Real):
+            raise TypeError(f"PowerSGD min_compression must be a number; got {mc!r}")
+        if not (math.isfinite(mc) and mc >= 1):
+            raise ValueError(f"PowerSGD min_compression must be finite and >= 1; got {mc}")
+        for field in ("factor_codec", "fallback"):
+            codec = codecs.parse(getattr(self, field))  # ValueError/TypeError names the spec
+            object.__setattr__(self, field, str(codec))
+        object.__setattr__(self, "rank", int(self.rank))
+        object.__setattr__(self, "min_compression", float(mc))
+
+    @property
+    def needs_key(self) -> bool:
+        return any(codecs.parse(c).needs_key for c in (self.factor_codec, self.fallback))
+
+    @property
+    def row_multiple(self) -> int:
+        """The fallback's row length: dense leaves go through it."""
+        return codecs.parse(self.fallback).row_multiple
+
+    def __str__(self):
+        parts = [f"{self.name}:rank={self.rank}"]
+        if self.factor_codec != "none":
+            parts.append(f"factor={self.factor_codec}")
+        if self.fallback != "none":
+            parts.append(f"fallback={self.fallback}")
+        if self.min_compression != 2.0:
+            parts.append(f"min_compression={self.min_compression!r}")
+        return ":".join(parts)
+
+
+def _bad(spec, why: str) -> ValueError:
+    return ValueError(f"invalid PowerSGD spec {spec!r}: {why}. Valid form: {VALID_FORM}")
+
+
+def parse(spec) -> PowerSGD:
+    """Reads "powersgd:rank=R[:factor=C][:fallback=C][:min_compression=F]"
+    (case-insensitive). A PowerSGD object passes through unchanged."""
+    if isinstance(spec, PowerSGD):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"PowerSGD spec must be a string; got {type(spec).__name__}")
+    name, *opts = [p.strip() for p in spec.strip().lower().split(":")]
+    if name != "powersgd":
+        raise _bad(spec, f"it must start with 'powersgd', not {name!r}")
+    fields = {}
+    keys = {"rank": "rank", "factor": "factor_codec", "fallback": "fallback",
+            "min_compression": "min_compression"}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if key not in keys or not eq:
+            raise _bad(spec, f"unknown option {opt!r}")
+        if keys[key] in fields:
+            raise _bad(spec, f"option {key!r} given twice")
+        fields[keys[key]] = value
+    if "rank" not in fields:
+        raise _bad(spec, "rank is missing")
+    try:
+        fields["rank"] = int(fields["rank"])
+    except ValueError:
+        raise _bad(spec, f"rank must be an int >= 1, got {fields['rank']!r}") from None
+    if "min_compression" in fields:
+        try:
+            fields["min_compression"] = float(fields["min_compression"])
+        except ValueError:
+            raise _bad(spec, "min_compression must be a number >= 1") from None
+    try:
+        return PowerSGD(**fields)
+    except (TypeError, ValueError) as e:
+        raise _bad(spec, str(e)) from None
+
+
+# ------------------------------------------------------------------ shapes
+
+def matrix_shape(shape) -> tuple[int, int]:
+    """(m, n) = (prod(shape[:-1]), shape[-1]); a 0-d leaf is (1, 1)."""
+    shape = tuple(int(s) for s in shape)
+    return (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
+
+
+def compresses(shape, codec: PowerSGD) -> bool:
+    """Whether a leaf of `shape` goes low rank (else through the fallback codec)."""
+    m, n = matrix_shape(shape)
+    return len(shape) >= 2 and (m + n) * codec.rank * codec.min_compression < m * n
+
+
+def init_q(key, shape, rank: int):
+    """Initial Q: standard normal float32 of `shape` + (rank,); pass the same key
+    on every data rank."""
+    return jax.random.normal(key, (*shape, rank), jnp.float32)
+
+
+def init_qs(shapes):
+    """Initial Qs of a tree of (..., n, R) shapes (ShapeDtypeStructs or arrays):
+    leaf i is `init_q` from fold_in(key(Q_SEED), i), the same on every data rank."""
+    leaves, treedef = jax.tree.flatten(shapes)
+    key = jax.random.key(Q_SEED)
+    qs = [init_q(jax.random.fold_in(key, i), a.shape[:-1], a.shape[-1])
+          for i, a in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, qs)
+
+
+def orthogonalize(p_MxR):
+    """An orthonormal basis of the columns of p_MxR (m >= R), by float32 QR."""
+    return jnp.linalg.qr(p_MxR.astype(jnp.float32), mode="reduced")[0]
+
+
+# ---------------------------------------------------------------- reduce
+
+def _mm(a, b):
+    # Full float32 products: default precision on GPUs/TPUs would round the factors.
+    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+
+
+def _dense(grad, residual, axis, codec, key):
+    d = lax.axis_size(axis)
+    if residual is None:
+        return cc.psum(grad, axis, codec=codec, key=key) / d, None
+    total, new_res = cc.psum_ef(grad, residual, axis, codec=codec, key=key)
+    return total / d, new_res
+
+
+def reduce(grad_local, q_state, residual, axis="data", *, codec, key=None):
+    """Mean over `axis` of one gradient leaf, rank `codec.rank` (inside shard_map).
+
+    grad_local: this rank's gradient, any shape S, varying over `axis`.
+    q_state:    (n, R) float32, the previous step's Q (or `init_q`), invariant over `axis`.
+    residual:   shape S float32 error feedback, or None to keep none.
+    -> (mean gradient of shape S and grad_local's dtype, invariant over `axis`;
+        next (n, R) Q, invariant over `axis`; new residual or None).
+    """
+    codec = parse(codec)
+    shape = grad_local.shape
+    m, n = matrix_shape(shape)
+    if q_state.shape != (n, codec.rank):
+        raise ValueError(f"q_state: shape {q_state.shape}; expected (n, rank) = "
+                         f"({n}, {codec.rank}) for a gradient of shape {shape}")
+    if residual is not None and residual.shape != shape:
+        raise ValueError(f"residual: shape {residual.shape}; expected the gradient's {shape}")
+    if not compresses(shape, codec):
+        mean, new_res = _dense(grad_local, residual, axis, codec.fallback, key)
+        return mean, q_state, new_res
+    k_p, k_q = (None, None) if key is None else tuple(jax.random.split(key))
+    m_MxN = grad_local.astype(jnp.float32).reshape(m, n)
+    if residual is not None:
+        m_MxN = m_MxN + residual.astype(jnp.float32).reshape(m, n)
+    p_MxR = cc.psum(_mm(m_MxN, q_state.astype(jnp.float32)), axis,
+                    codec=codec.factor_codec, key=k_p)
+    p_MxR = orthogonalize(p_MxR)
+    q_NxR = cc.psum(_mm(m_MxN.T, p_MxR), axis, codec=codec.factor_codec, key=k_q)
+    q_NxR = q_NxR / lax.axis_size(axis)
+    approx_MxN = _mm(p_MxR, q_NxR.T)
+    new_res = None if residual is None else (m_MxN - approx_MxN).reshape(shape)
+    return approx_MxN.reshape(shape).astype(grad_local.dtype), q_NxR, new_res
