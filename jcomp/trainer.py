@@ -261,7 +261,7 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
                                        keep=cfg.checkpoint.keep)
         try:
-            with _quiet(checkpoint._log):
+            with _quiet(logging.getLogger(checkpoint.__name__)):
                 restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, pol),
                                         expect_meta={"fingerprint": fingerprint})
         except checkpoint.CheckpointError as e:  # it lists every step it skipped

@@ -6,7 +6,6 @@ Runs are shared through module-scoped fixtures; every run uses the same config
 so that losses compare bit for bit across runs (CPU arithmetic is
 deterministic, and a resumed run must retrace the uninterrupted one exactly).
 """
-import json
 import math
 import os
 import random
