@@ -499,29 +499,45 @@ def measure_compiled(compiled, mesh) -> WireReport:
     return from_text(compiled.as_text(), mesh)
 
 
-def _all_reduce_elements(text: str, dtype: str) -> tuple[int, int]:
-    """(all-reduce instructions holding `dtype`, their `dtype` elements) in HLO text."""
-    n_instr = n_elem = 0
+def _elements_by_kind(text: str, dtype: str) -> dict[str, tuple[int, int]]:
+    """{kind: (collectives sending `dtype`, their `dtype` elements)} of HLO text."""
+    out: dict[str, tuple[int, int]] = {}
     for line in text.splitlines():
         instr = _read_instr(line)
-        if instr is not None and _kind_of(instr.opcode) == "all-reduce":
-            elems = [math.prod(dims) for dt, dims, _ in _leaves(instr.shape) if dt == dtype]
-            n_instr, n_elem = n_instr + bool(elems), n_elem + sum(elems)
-    return n_instr, n_elem
+        kind = _kind_of(instr.opcode) if instr is not None else None
+        if kind is None:
+            continue
+        elems = [math.prod(dims) for dt, dims, _ in _leaves(_sent_tree(instr, kind)) if dt == dtype]
+        n_instr, n_elem = out.get(kind, (0, 0))
+        out[kind] = (n_instr + bool(elems), n_elem + sum(elems))
+    return out
 
 
 def widening_note(pre_text: str, compiled_text: str, platform: str) -> str | None:
-    """A note if bf16 all-reduces of `pre_text` became f32 ones in `compiled_text`."""
-    n_pre, elems_pre = _all_reduce_elements(pre_text, "bf16")
-    n_post, elems_post = _all_reduce_elements(compiled_text, "bf16")
-    # elements, not instructions: XLA may combine several all-reduces into one
-    if elems_post >= elems_pre or not _all_reduce_elements(compiled_text, "f32")[0]:
+    """A note if bf16 collectives of `pre_text` became f32 ones in `compiled_text`.
+
+    Compares, for every collective kind, the bf16 elements sent before and after
+    optimisation (elements, not instructions: XLA may combine several
+    collectives into one). XLA on CPU widens bf16 collectives of every kind.
+    """
+    pre, post = _elements_by_kind(pre_text, "bf16"), _elements_by_kind(compiled_text, "bf16")
+    f32 = _elements_by_kind(compiled_text, "f32")
+    parts, whole = [], True
+    for kind in KINDS:
+        n_pre, elems_pre = pre.get(kind, (0, 0))
+        n_post, elems_post = post.get(kind, (0, 0))
+        if elems_post >= elems_pre or not f32.get(kind, (0, 0))[0]:
+            continue
+        if n_post == 0:
+            parts.append(f"{n_pre} bf16 {kind}(s)")
+        else:
+            whole = False
+            parts.append(f"{elems_pre - elems_post:,} of {elems_pre:,} bf16 {kind} elements")
+    if not parts:
         return None
-    if n_post == 0:
-        return (f"XLA widened {n_pre} bf16 all-reduce(s) to f32 on this backend "
-                f"({platform}): the compiled program sends f32")
-    return (f"XLA widened {elems_pre - elems_post:,} of {elems_pre:,} bf16 all-reduce elements "
-            f"to f32 on this backend ({platform}): the compiled program sends those as f32")
+    sends = "f32" if whole else "those as f32"
+    return (f"XLA widened {' and '.join(parts)} to f32 on this backend ({platform}): "
+            f"the compiled program sends {sends}")
 
 
 def measure(fn, *args, mesh, **kwargs) -> WireReport:

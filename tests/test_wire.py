@@ -128,6 +128,28 @@ def test_bf16_psum_widening_is_noted(mesh, x_8D):
     assert r.notes[0] in r.table()
 
 
+@pytest.mark.parametrize("kind,op", [
+    ("all-gather", lambda x: lax.all_gather(x, "data", tiled=True)[:D]),
+    ("collective-permute", lambda x: lax.ppermute(x, "pipeline", [(0, 1), (1, 0)])),
+    ("all-to-all", lambda x: lax.all_to_all(x.reshape(2, D // 2), "data", 0, 0, tiled=True)
+     .reshape(D)),
+    ("reduce-scatter", lambda x: jnp.tile(lax.psum_scatter(x, "tensor", tiled=True), 2)),
+])
+def test_bf16_widening_is_noted_for_every_collective_kind(mesh, x_8D, kind, op):
+    r = _meter(mesh, x_8D, lambda x: op(x.astype(jnp.bfloat16)).astype(jnp.float32))
+    c = _only(r)
+    assert c.kind == kind and c.dtype == "f32", r.table()  # bf16 in, f32 on the wire
+    assert r.notes == [f"XLA widened 1 bf16 {kind}(s) to f32 on this backend (cpu): "
+                       "the compiled program sends f32"]
+
+
+def test_bf16_that_stays_bf16_is_not_noted(mesh, x_8D):
+    # integers ride through the meter unwidened; only a bf16 -> f32 change is a note
+    r = _meter(mesh, x_8D, lambda x: lax.all_gather(x.astype(jnp.int8), "data", tiled=True)[:D]
+               .astype(jnp.float32))
+    assert _only(r).dtype == "s8" and not r.notes
+
+
 @pytest.mark.parametrize("spec,axes", [
     (P("tensor"), [("tensor",)]),
     (P(("data", "pipeline")), [("data", "pipeline")]),
@@ -359,6 +381,33 @@ def test_widening_note_counts_elements_not_instructions():
         "XLA widened 2 bf16 all-reduce(s) to f32 on this backend (cpu): the compiled program sends f32")
     assert "widened 32 of 96 bf16 all-reduce elements" in wire.widening_note(pre, partly, "cpu")
     assert wire.widening_note(pre, pre, "cpu") is None
+
+
+def _coll(name, kind, shape):
+    return (f"  %{name} = {shape} {kind}(%p), replica_groups={{{{0,4}},{{1,5}},{{2,6}},{{3,7}}}}, "
+            "dimensions={0}")
+
+
+def test_widening_note_names_each_kind_it_saw_widened():
+    pre = _module("\n".join([_ar("a", "bf16[64]{0}"), _coll("g", "all-gather", "bf16[128]{0}"),
+                             _coll("t", "all-to-all", "(bf16[32]{0}, bf16[32]{0})")]))
+    # all-reduce and all-gather widened; the all-to-all kept bf16
+    post = _module("\n".join([_ar("a", "f32[64]{0}"), _coll("g", "all-gather", "f32[128]{0}"),
+                              _coll("t", "all-to-all", "(bf16[32]{0}, bf16[32]{0})")]))
+    assert wire.widening_note(pre, post, "cpu") == (
+        "XLA widened 1 bf16 all-reduce(s) and 1 bf16 all-gather(s) to f32 on this backend "
+        "(cpu): the compiled program sends f32")
+    # one of two bf16 all-gathers widened: counted in elements, next to a whole kind
+    pre2 = _module("\n".join([_ar("a", "bf16[64]{0}"), _coll("g", "all-gather", "bf16[128]{0}"),
+                              _coll("h", "all-gather", "bf16[16]{0}")]))
+    post2 = _module("\n".join([_ar("a", "f32[64]{0}"), _coll("g", "all-gather", "f32[128]{0}"),
+                               _coll("h", "all-gather", "bf16[16]{0}")]))
+    assert wire.widening_note(pre2, post2, "cpu") == (
+        "XLA widened 1 bf16 all-reduce(s) and 128 of 144 bf16 all-gather elements to f32 on "
+        "this backend (cpu): the compiled program sends those as f32")
+    # a kind whose bf16 vanished without any f32 collective of that kind was not widened
+    gone = _module("\n".join([_ar("a", "bf16[64]{0}")]))
+    assert wire.widening_note(pre, gone, "cpu") is None
 
 
 # ---------------------------------------------------------------- bad input
