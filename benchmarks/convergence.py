@@ -1,0 +1,345 @@
+"""Convergence of compressed training on real text, against the uncompressed baseline.
+
+    python benchmarks/convergence.py [--suite main|ablation|sweep|all] [--steps 150]
+                                     [--config configs/base.py] [--only NAME ...]
+                                     [--out benchmarks/results/convergence] [--quick]
+
+Every run is `python train.py` in a subprocess with its own workdir under
+--out: the same config, seed (so the same initial weights), data order and
+(2, 2, 2) mesh, differing only in the compression settings. Suites:
+
+  main      baseline, naive, hybrid (the presets of `jcomp.policy`)
+  ablation  one axis compressed at a time, as hybrid compresses it: data
+            (grad=int4 with error feedback, param=int8), tensor (act and
+            act_grad int8), pipeline (act and act_grad int8)
+  sweep     data.grad alone at int8, int4, int2, topk:0.1, topk:0.01, each with
+            and without error feedback; tensor and pipeline act/act_grad
+            together at int8, int4, int2
+
+Every suite also runs the baseline, the reference for gaps and byte ratios.
+A finished run (its metrics.jsonl has a record of the last step) is skipped;
+an unfinished one is rerun, and train.py resumes it from its checkpoint. The
+step count is part of each workdir's name, so runs of different lengths
+never mix.
+
+`summary.json` in --out covers every finished run found there, per run:
+final and best val_loss, the gap of the final val_loss to the baseline's in
+percent, bytes one device sends per step over each mesh axis and in total
+(the first metrics record, which `jcomp.trainer` fills from the compiled
+step), and the ratio of that total to the baseline's. Loss curves
+(`jcomp.metrics.plot`) go to main_loss.png, sweep_grad_loss.png and
+sweep_act_loss.png when their runs exist.
+
+--quick trains configs/tiny.py for a few steps (baseline and hybrid): a
+smoke test of this script, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from jcomp import metrics as metrics_lib  # noqa: E402
+
+AXES = ("data", "tensor", "pipeline")
+SUITES = ("main", "ablation", "sweep")
+GRAD_SWEEP = ("int8", "int4", "int2", "topk:0.1", "topk:0.01")
+ACT_SWEEP = ("int8", "int4", "int2")
+DEFAULT_OUT = os.path.join("benchmarks", "results", "convergence")
+QUICK = dict(config="configs/tiny.py", steps=4, eval_every=2, runs=("baseline", "hybrid"))
+
+
+def _tp_act(spec: str) -> dict:
+    return {f"{a}.{k}": spec for a in ("tensor", "pipeline") for k in ("act", "act_grad")}
+
+
+def run_specs() -> list[dict]:
+    """Every known run: {name, suite, group, policy, overrides {"axis.kind": codec},
+    error_feedback "auto"|"on"|"off"}. `group` names the plot a run belongs to."""
+    runs = [dict(name=p, suite="main", group="main", policy=p, overrides={}, error_feedback="auto")
+            for p in ("baseline", "naive", "hybrid")]
+    for axis, ov in (("data", {"data.grad": "int4", "data.param": "int8"}),
+                     ("tensor", {"tensor.act": "int8", "tensor.act_grad": "int8"}),
+                     ("pipeline", {"pipeline.act": "int8", "pipeline.act_grad": "int8"})):
+        runs.append(dict(name=f"only_{axis}", suite="ablation", group="ablation", policy="baseline",
+                         overrides=ov, error_feedback="on" if axis == "data" else "off"))
+    for spec in GRAD_SWEEP:
+        for ef in ("on", "off"):
+            runs.append(dict(name=f"grad_{_slug(spec)}_ef{ef}", suite="sweep", group="sweep_grad",
+                             policy="baseline", overrides={"data.grad": spec}, error_feedback=ef))
+    for spec in ACT_SWEEP:
+        runs.append(dict(name=f"act_{_slug(spec)}", suite="sweep", group="sweep_act",
+                         policy="baseline", overrides=_tp_act(spec), error_feedback="off"))
+    return runs
+
+
+def _slug(spec: str) -> str:
+    return spec.replace(":", "").replace(".", "p")
+
+
+def select(suite: str, only=None) -> list[dict]:
+    """The runs of `suite` ("all" for every one), baseline always first; `only`
+    narrows them to the named runs (baseline stays)."""
+    if suite not in SUITES + ("all",):
+        raise ValueError(f"suite must be one of {', '.join(SUITES + ('all',))}; got {suite!r}")
+    specs = run_specs()
+    names = {s["name"] for s in specs}
+    for name in only or ():
+        if name not in names:
+            raise ValueError(f"--only: unknown run {name!r}; known: {', '.join(sorted(names))}")
+    chosen = [s for s in specs if s["name"] == "baseline"
+              or ((suite == "all" or s["suite"] == suite) and (not only or s["name"] in only))]
+    return chosen
+
+
+def workdir_name(spec: dict, steps: int) -> str:
+    return f"{spec['name']}-{steps}steps"
+
+
+def train_args(spec: dict, config: str, steps: int, eval_every: int, warmup: int) -> list[str]:
+    """train.py's flags for one run (without --workdir)."""
+    args = [f"--config={config}", f"--config.train.steps={steps}",
+            f"--config.train.eval_every={eval_every}", f"--config.optim.warmup_steps={warmup}",
+            f"--config.checkpoint.every={max(steps // 4, min(steps, 10))}",
+            f"--config.compression.policy={spec['policy']}",
+            f"--config.compression.error_feedback={spec['error_feedback']}"]
+    args += [f"--config.compression.{key}={codec}" for key, codec in spec["overrides"].items()]
+    return args
+
+
+def is_finished(workdir: str, steps: int) -> bool:
+    """True when workdir/metrics.jsonl holds a record of step `steps`."""
+    path = os.path.join(workdir, metrics_lib.METRICS_FILE)
+    if not os.path.exists(path):
+        return False
+    return any(r.get("step") == steps for r in metrics_lib.read_metrics(path))
+
+
+def run_one(spec, workdir, args, log) -> float:
+    """Runs train.py for one spec; returns wall seconds. RuntimeError if it fails."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args, f"--workdir={workdir}"]
+    t0 = time.perf_counter()
+    with open(os.path.join(os.path.dirname(workdir), f"{spec['name']}.log"), "w") as f:
+        rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        raise RuntimeError(f"run {spec['name']} failed (exit {rc}); see {f.name}")
+    print(f"{spec['name']}: done in {wall:.0f} s", file=log, flush=True)
+    return wall
+
+
+# ---------------------------------------------------------------- summary
+
+def summarize(records: list[dict]) -> dict:
+    """One run's numbers from its metrics records (file order; a resumed run's
+    repeated steps count once, the last written)."""
+    last = {}
+    for r in records:
+        last[r["step"]] = r
+    steps = sorted(last)
+    if not steps:
+        raise ValueError("metrics hold no records")
+    val = [(s, last[s]["val_loss"]) for s in steps if "val_loss" in last[s]]
+    wire = next((r for r in records if "wire_bytes_total" in r), None)
+    if wire is None:
+        raise ValueError("no metrics record holds wire_bytes_total")
+    times = [last[s]["step_time_s"] for s in steps if "step_time_s" in last[s]]
+    return dict(
+        steps=steps[-1], final_loss=last[steps[-1]]["loss"],
+        final_val_loss=val[-1][1] if val else None,
+        best_val_loss=min(v for _, v in val) if val else None,
+        wire_bytes={a: float(wire.get(f"wire_bytes_{a}", 0.0)) for a in AXES},
+        wire_bytes_total=float(wire["wire_bytes_total"]),
+        median_step_time_s=statistics.median(times) if times else None,
+        skipped_updates=last[steps[-1]].get("skipped_updates", 0))
+
+
+def gap_pct(value, reference):
+    """100 * (value - reference) / reference; None when either is missing.
+    NaN or Inf losses stay NaN/Inf."""
+    if value is None or reference is None:
+        return None
+    if reference == 0:
+        raise ValueError("reference val_loss is 0: a gap in percent is undefined")
+    return 100.0 * (value - reference) / reference
+
+
+def byte_ratio(total, reference):
+    if reference == 0:
+        return None
+    return total / reference
+
+
+def add_comparisons(runs: list[dict]) -> list[dict]:
+    """Adds gap_pct (final val_loss vs baseline) and byte_ratio (total bytes vs
+    baseline) to each run; the baseline run must be among them."""
+    base = next((r for r in runs if r["name"] == "baseline"), None)
+    if base is None:
+        raise ValueError("runs must include the baseline run")
+    for r in runs:
+        r["gap_pct"] = gap_pct(r["final_val_loss"], base["final_val_loss"])
+        r["best_gap_pct"] = gap_pct(r["best_val_loss"], base["best_val_loss"])
+        r["byte_ratio"] = byte_ratio(r["wire_bytes_total"], base["wire_bytes_total"])
+        r["byte_ratio_by_axis"] = {a: byte_ratio(r["wire_bytes"][a], base["wire_bytes"][a])
+                                   for a in AXES}
+    return runs
+
+
+def _json_safe(x):
+    """Non-finite floats as the strings jcomp.metrics uses, so the file is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def collect(out: str, steps: int, args_of) -> list[dict]:
+    """Every finished known run of length `steps` in `out`, baseline first."""
+    runs = []
+    for spec in run_specs():
+        workdir = os.path.join(out, workdir_name(spec, steps))
+        if not is_finished(workdir, steps):
+            continue
+        row = dict(name=spec["name"], suite=spec["suite"], group=spec["group"],
+                   policy=spec["policy"], overrides=spec["overrides"],
+                   error_feedback=spec["error_feedback"],
+                   workdir=os.path.relpath(workdir, ROOT),
+                   command="python train.py " + " ".join(args_of(spec))
+                   + f" --workdir={os.path.relpath(workdir, ROOT)}")
+        row.update(summarize(metrics_lib.read_metrics(workdir)))
+        runs.append(row)
+    return add_comparisons(runs) if any(r["name"] == "baseline" for r in runs) else runs
+
+
+def draw_plots(out: str, runs: list[dict]) -> dict:
+    """{group: png path relative to out} for the main and sweep groups present."""
+    plots = {}
+    by_name = {r["name"]: r for r in runs}
+    for group, png in (("main", "main_loss.png"), ("sweep_grad", "sweep_grad_loss.png"),
+                       ("sweep_act", "sweep_act_loss.png")):
+        names = [r["name"] for r in runs if r["group"] == group]
+        if not names:
+            continue
+        if group != "main" and "baseline" in by_name:
+            names = ["baseline"] + names
+        paths = [os.path.join(ROOT, by_name[n]["workdir"], metrics_lib.METRICS_FILE) for n in names]
+        metrics_lib.plot(paths, os.path.join(out, png), key="loss")
+        plots[group] = png
+    return plots
+
+
+def load_config(path: str):
+    """The ConfigDict of a config file (configs/*.py, relative to the repository)."""
+    import importlib.util
+    full = path if os.path.isabs(path) else os.path.join(ROOT, path)
+    if not os.path.isfile(full):
+        raise ValueError(f"--config: no such file {path!r}")
+    spec = importlib.util.spec_from_file_location("_convergence_config", full)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", default="main", help="main, ablation, sweep or all")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 150)")
+    p.add_argument("--eval-every", type=int, default=None, help="steps between val_loss (steps/5)")
+    p.add_argument("--warmup", type=int, default=None, help="learning-rate warm-up steps (steps/10)")
+    p.add_argument("--config", default=None, help="config file every run starts from")
+    p.add_argument("--only", nargs="+", default=None, help="run just these names (and baseline)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="workdirs, logs, summary.json and plots")
+    p.add_argument("--quick", action="store_true", help="a few steps of configs/tiny.py")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.config = args.config or QUICK["config"]
+        args.steps = args.steps or QUICK["steps"]
+        args.eval_every = args.eval_every or QUICK["eval_every"]
+        args.only = args.only or [n for n in QUICK["runs"] if n != "baseline"]
+    args.config = args.config or "configs/base.py"
+    args.steps = 150 if args.steps is None else args.steps
+    if args.steps < 2:
+        raise ValueError(f"--steps must be >= 2; got {args.steps}")
+    args.eval_every = args.eval_every or max(1, args.steps // 5)
+    args.warmup = min(args.steps // 10, args.steps - 1) if args.warmup is None else args.warmup
+    if not 0 <= args.warmup < args.steps:
+        raise ValueError(f"--warmup must be in [0, --steps); got {args.warmup}")
+    if args.eval_every < 1:
+        raise ValueError(f"--eval-every must be >= 1; got {args.eval_every}")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_args(argv)
+        specs = select(args.suite, args.only)
+        cfg = load_config(args.config)
+    except ValueError as e:
+        print(f"convergence.py: error: {e}", file=sys.stderr)
+        return 2
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+
+    def args_of(spec):
+        return train_args(spec, args.config, args.steps, args.eval_every, args.warmup)
+
+    walls = {}
+    for spec in specs:
+        workdir = os.path.join(out, workdir_name(spec, args.steps))
+        if is_finished(workdir, args.steps):
+            print(f"{spec['name']}: finished already, skipped", flush=True)
+            continue
+        try:
+            walls[spec["name"]] = run_one(spec, workdir, args_of(spec), sys.stdout)
+        except RuntimeError as e:
+            print(f"convergence.py: {e}", file=sys.stderr)
+            return 1
+
+    summary_path = os.path.join(out, "summary.json")
+    old = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+    runs = collect(out, args.steps, args_of)
+    for r in runs:
+        r["wall_s"] = walls.get(r["name"], next(
+            (o.get("wall_s") for o in old.get("runs", []) if o["name"] == r["name"]), None))
+    invocation = "python benchmarks/convergence.py " + " ".join(argv)
+    invocations = [i for i in old.get("invocations", []) if i != invocation] + [invocation]
+    summary = dict(config=args.config, steps=args.steps, eval_every=args.eval_every,
+                   warmup_steps=args.warmup, mesh=cfg.mesh.to_dict(),
+                   model=cfg.model.to_dict(), batch_size=cfg.train.batch_size,
+                   seq_len=cfg.data.seq_len,
+                   quick=args.quick, git_commit=_git_commit(),
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   invocations=invocations, plots=draw_plots(out, runs), runs=runs)
+    with open(summary_path, "w") as f:
+        json.dump(_json_safe(summary), f, indent=1, allow_nan=False)
+    for r in runs:
+        gap = "" if r.get("gap_pct") is None else f", gap {r['gap_pct']:+.2f}%"
+        ratio = "" if r.get("byte_ratio") is None else f", bytes x{r['byte_ratio']:.3f}"
+        print(f"{r['name']:>16}: val_loss {r['final_val_loss']}{gap}{ratio}")
+    print(f"wrote {os.path.relpath(summary_path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

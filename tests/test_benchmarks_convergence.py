@@ -1,0 +1,194 @@
+"""benchmarks/convergence.py and benchmarks/report.py: a --quick run end to end,
+the reuse of finished runs, and the bookkeeping of gaps, byte ratios and claims."""
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+AXES = ("data", "tensor", "pipeline")
+# LLVM optimization level 0 cuts compile time; it acts after the HLO passes, so the
+# collectives, and the bytes read from them, are those of the optimized program.
+QUICK_ENV = dict(os.environ, JAX_PLATFORMS="cpu",
+                 XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+                           "--xla_backend_optimization_level=0")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+conv = _load("convergence")
+report = _load("report")
+
+
+def _run(script, *args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
+                          cwd=ROOT, env=QUICK_ENV, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """(results dir, summary, convergence stdout, page text) of --quick + projection + report."""
+    results = tmp_path_factory.mktemp("results")
+    out = results / "convergence"
+    proc = _run("convergence.py", "--quick", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    p = _run("projection.py", "--measured", out / "summary.json", "--json",
+             results / "projection.json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    page = results / "RESULTS.md"
+    r = _run("report.py", "--results", results, "--out", page)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return results, summary, proc.stdout, page.read_text()
+
+
+def test_quick_summary_has_every_field(quick):
+    _, summary, _, _ = quick
+    runs = {r["name"]: r for r in summary["runs"]}
+    assert set(runs) == {"baseline", "hybrid"}
+    assert summary["steps"] == 4 and summary["quick"] is True
+    assert summary["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2}
+    for r in runs.values():
+        assert r["steps"] == 4
+        assert math.isfinite(r["final_val_loss"]) and r["best_val_loss"] <= r["final_val_loss"]
+        assert set(r["wire_bytes"]) == set(AXES)
+        assert all(r["wire_bytes"][a] > 0 for a in AXES)  # every axis of (2,2,2) carries traffic
+        assert r["wire_bytes_total"] >= sum(r["wire_bytes"].values())
+        assert os.path.exists(ROOT / r["workdir"] / "metrics.jsonl")
+    base, hyb = runs["baseline"], runs["hybrid"]
+    assert base["gap_pct"] == 0.0 and base["byte_ratio"] == 1.0
+    assert hyb["gap_pct"] == pytest.approx(
+        100 * (hyb["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"])
+    assert hyb["byte_ratio"] == pytest.approx(hyb["wire_bytes_total"] / base["wire_bytes_total"])
+    # int4/int8 codes with float32 block scales: well under half the float32 bytes
+    assert hyb["byte_ratio"] < 0.5
+    for a in AXES:
+        assert hyb["byte_ratio_by_axis"][a] < 0.5
+
+
+def test_same_initial_weights_and_data(quick):
+    """Runs differ only in compression: their first-step losses agree to the
+    float32 noise of the compressed step (the first loss is computed before any
+    compressed gradient is applied; only compressed activations change it)."""
+    results, summary, _, _ = quick
+    first = {}
+    for r in summary["runs"]:
+        with open(ROOT / r["workdir"] / "metrics.jsonl") as f:
+            first[r["name"]] = json.loads(f.readline())["loss"]
+    # Seen 2e-5 apart; another seed's initial weights move the loss at init by
+    # about 3e-3 relative, so 5e-4 tells the two apart.
+    assert first["hybrid"] == pytest.approx(first["baseline"], rel=5e-4)
+
+
+def test_quick_plot_and_report_tables(quick):
+    results, summary, _, page = quick
+    assert summary["plots"] == {"main": "main_loss.png"}
+    png = results / "convergence" / "main_loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| run | compressed | final val_loss |" in page
+    assert "| baseline |" in page and "| hybrid |" in page
+    assert "(convergence/main_loss.png)" in page
+    assert "## Projection to GPT-NeoX-20B" in page and "#### lassen" in page
+    assert "## What matches the papers, what doesn't, and why" in page
+    assert "--quick smoke run" in page
+    hyb = next(r for r in summary["runs"] if r["name"] == "hybrid")
+    verdict = "PASS" if hyb["gap_pct"] <= 1.0 else "FAIL"
+    assert f"{hyb['gap_pct']:+.2f}% from the baseline's" in page
+    assert f"{verdict} against the 1% loss target" in page
+    assert "python benchmarks/convergence.py --quick" in page
+
+
+def test_finished_runs_are_reused(quick):
+    results, _, _, _ = quick
+    out = results / "convergence"
+    metrics = out / "hybrid-4steps" / "metrics.jsonl"
+    before = metrics.read_text()
+    proc = _run("convergence.py", "--quick", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "baseline: finished already, skipped" in proc.stdout
+    assert "hybrid: finished already, skipped" in proc.stdout
+    assert metrics.read_text() == before
+
+
+# ---------------------------------------------------------------- bookkeeping
+
+def _records(val, wire_total=100.0):
+    recs = [{"step": 1, "loss": 5.0, "step_time_s": 0.5, "wire_bytes_total": wire_total,
+             "wire_bytes_data": wire_total / 2, "wire_bytes_tensor": wire_total / 2}]
+    recs += [{"step": s, "loss": v + 0.1, "val_loss": v, "step_time_s": 0.1} for s, v in val]
+    return recs
+
+
+def test_summarize_takes_final_best_and_first_wire_record():
+    s = conv.summarize(_records([(2, 3.0), (4, 2.5), (6, 2.7)]))
+    assert s["final_val_loss"] == 2.7 and s["best_val_loss"] == 2.5 and s["steps"] == 6
+    assert s["wire_bytes"] == {"data": 50.0, "tensor": 50.0, "pipeline": 0.0}
+    assert s["wire_bytes_total"] == 100.0
+
+
+def test_summarize_keeps_the_last_record_of_a_repeated_step():
+    recs = _records([(2, 3.0), (4, 2.5)]) + [{"step": 4, "loss": 2.0, "val_loss": 2.4}]
+    assert conv.summarize(recs)["final_val_loss"] == 2.4
+
+
+def test_nan_loss_stays_nan():
+    s = conv.summarize(_records([(2, 3.0), (4, math.nan)]))
+    assert math.isnan(s["final_val_loss"])
+    assert math.isnan(conv.gap_pct(s["final_val_loss"], 3.0))
+
+
+def test_comparisons_against_baseline():
+    runs = [dict(name="baseline", final_val_loss=2.0, best_val_loss=2.0, wire_bytes_total=400.0,
+                 wire_bytes={"data": 200.0, "tensor": 200.0, "pipeline": 0.0}),
+            dict(name="x", final_val_loss=2.02, best_val_loss=1.9, wire_bytes_total=100.0,
+                 wire_bytes={"data": 20.0, "tensor": 80.0, "pipeline": 0.0})]
+    conv.add_comparisons(runs)
+    assert runs[1]["gap_pct"] == pytest.approx(1.0)
+    assert runs[1]["best_gap_pct"] == pytest.approx(-5.0)
+    assert runs[1]["byte_ratio"] == 0.25
+    assert runs[1]["byte_ratio_by_axis"] == {"data": 0.1, "tensor": 0.4, "pipeline": None}
+    with pytest.raises(ValueError, match="baseline"):
+        conv.add_comparisons(runs[1:])
+
+
+def test_suites_and_bad_arguments():
+    names = lambda suite: [s["name"] for s in conv.select(suite)]
+    assert names("main") == ["baseline", "naive", "hybrid"]
+    assert names("ablation") == ["baseline", "only_data", "only_tensor", "only_pipeline"]
+    sweep = names("sweep")
+    assert len(sweep) == 1 + 10 + 3 and "grad_topk0p01_efoff" in sweep and "act_int2" in sweep
+    spec = next(s for s in conv.run_specs() if s["name"] == "grad_int2_efoff")
+    args = conv.train_args(spec, "configs/base.py", 100, 20, 10)
+    assert "--config.compression.data.grad=int2" in args
+    assert "--config.compression.error_feedback=off" in args
+    with pytest.raises(ValueError, match="suite"):
+        conv.select("everything")
+    with pytest.raises(ValueError, match="--only"):
+        conv.select("main", ["nope"])
+    with pytest.raises(ValueError, match="--warmup"):
+        conv.parse_args(["--steps", "10", "--warmup", "10"])
+
+
+def test_closest_bytes_pair_and_claims():
+    def run(name, gap, ratio):
+        return dict(name=name, gap_pct=gap, byte_ratio=ratio, wire_bytes_total=1000 * ratio)
+    runs = [run("baseline", 0.0, 1.0), run("naive", 3.0, 0.13), run("hybrid", 0.5, 0.26),
+            run("grad_int2_efon", 1.5, 0.12), run("grad_int2_efoff", 4.0, 0.12)]
+    assert report.closest_bytes_pair(runs, "naive")["name"] == "grad_int2_efon"
+    claims = report.convergence_claims({"runs": runs})
+    text = "\n".join(claims)
+    assert "PASS against the 1% loss target, FAIL against the 1/4 bytes target" in text
+    assert "naive degrades the loss more than hybrid matches here" in text
+    assert "grad_int2_efon has the lower loss" in text
+    assert "lowered the final loss gap at 1 of 1 strengths" in text
