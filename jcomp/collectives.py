@@ -119,23 +119,62 @@ def _gather_rows(payload, axes, to):
     return _send(payload, lambda a: lax.all_gather(a, axes, axis=0, tiled=True, to=to))
 
 
+# Dense codecs code blocks independently, so a chunk of C elements may be coded
+# as C/u rows of u = codec.row_multiple elements instead of one row of C: the
+# payload holds the same bytes, only shaped (n, C/u, ...). Kept in that shape,
+# every fused encode and decode of XLA:CPU runs over one array shape and
+# vectorises; flattening inside a fusion (a bitcast that splits the minor
+# dimension) makes it fall back to scalar loops several times slower.
+
+def _view(codec, m: int) -> tuple:
+    """The shape a row of m elements is coded in: (m/u, u), or (m,) if u does not divide m."""
+    u = codec.row_multiple
+    return (m // u, u) if codec.kind == "dense" and u > 1 and m % u == 0 else (m,)
+
+
+def _encode(codec, x_NxM, key):
+    """Payload of the n rows of x_NxM, each coded in `_view` shape."""
+    n, m = x_NxM.shape
+    return codec.encode(x_NxM.reshape((n,) + _view(codec, m)), key=key)
+
+
+def _decode(codec, payload, n: int, m: int, dtype):
+    """Inverse of `_encode` -> [n, m] of `dtype`."""
+    return codec.decode(payload, (n,) + _view(codec, m), dtype).reshape(n, m)
+
+
 def _sum_rows(codec, payload, n: int, m: int):
     """Sums the n decoded rows of `payload` (each of length m) in float32 -> [m]."""
     if codec.kind == "sparse":
         values, indices = payload["values"], payload["indices"]
         return jnp.zeros((m,), jnp.float32).at[indices.reshape(-1)].add(
             values.reshape(-1).astype(jnp.float32))
-    return codec.decode(payload, (n, m), jnp.float32).sum(axis=0)
+    rows = [codec.decode(jax.tree.map(lambda a: a[i], payload), _view(codec, m), jnp.float32)
+            for i in range(n)]
+    return _add_all(rows).reshape(m)
+
+
+def _add_all(rows):
+    """Sum of same-shaped arrays as a tree of elementwise adds.
+
+    XLA:CPU compiles a reduction over the leading axis of a fused decode, and
+    row slices taken after the decode, into slow unvectorised loops (about 10x
+    an elementwise add); decoding each row on its own and adding fuses into
+    one vectorised pass."""
+    while len(rows) > 1:
+        pairs = [a + b for a, b in zip(rows[0::2], rows[1::2])]
+        rows = pairs + rows[len(pairs) * 2:]
+    return rows[0]
 
 
 # ------------------------------------------------------- compressed kernels
 
 def _reduce_scatter_rows(x_NxM, axes, codec, key):
-    """Row j of every device's x_NxM is summed onto device j. -> (sum [M] f32, sent [N, M])."""
+    """Row j of every device's x_NxM is summed onto device j.
+    -> (sum [M] f32, payload this device sent)."""
     n, m = x_NxM.shape
-    payload = codec.encode(x_NxM, key=key)
-    sent_NxM = codec.decode(payload, (n, m), jnp.float32)
-    return _sum_rows(codec, _all_to_all_rows(payload, axes), n, m), sent_NxM
+    payload = _encode(codec, x_NxM, key)
+    return _sum_rows(codec, _all_to_all_rows(payload, axes), n, m), payload
 
 
 def _allreduce(x, axes, codec, key):
@@ -149,25 +188,36 @@ def _allreduce(x, axes, codec, key):
         return total.astype(x.dtype).reshape(x.shape), sent
     size = x.size
     chunk = _round_up(max(-(-size // n), 1), codec.row_multiple)
-    x_NxC = jnp.pad(x.reshape(-1), (0, n * chunk - size)).reshape(n, chunk)
-    own_C, sent_NxC = _reduce_scatter_rows(x_NxC, axes, codec, k1)
-    gathered = _gather_rows(codec.encode(own_C[None], key=k2), axes, "invarying")
-    total_NxC = codec.decode(gathered, (n, chunk), jnp.float32)
+    x_flat = x.reshape(-1)
+    if n * chunk != size:
+        x_flat = jnp.pad(x_flat, (0, n * chunk - size))
+    own_C, payload = _reduce_scatter_rows(x_flat.reshape(n, chunk), axes, codec, k1)
+    gathered = _gather_rows(_encode(codec, own_C[None], k2), axes, "invarying")
+    total_NxC = _decode(codec, gathered, n, chunk, jnp.float32)
     # The owner of a chunk also re-codes its sum; charging that error to the owner's
     # row keeps "sum of what was sent == total" exact, so error feedback repairs both phases.
+    # (Only psum_ef reads `sent`; psum drops it and XLA removes its computation.)
     me = lax.axis_index(axes)
     shortfall_C = lax.dynamic_index_in_dim(total_NxC, me, 0, keepdims=False) - own_C
-    sent_NxC = lax.dynamic_update_index_in_dim(
-        sent_NxC, lax.dynamic_index_in_dim(sent_NxC, me, 0, keepdims=False) + shortfall_C, me, 0)
-    total = total_NxC.astype(x.dtype).reshape(-1)[:size].reshape(x.shape)
-    return total, sent_NxC.reshape(-1)[:size].reshape(x.shape)  # float32
+    mine_Nx1 = (jnp.arange(n) == me)[:, None]
+    sent_NxC = _decode(codec, payload, n, chunk, jnp.float32) + jnp.where(
+        mine_Nx1, shortfall_C[None], 0.0)
+    return _unpad(total_NxC.astype(x.dtype), x), _unpad(sent_NxC, x)  # sent: float32
+
+
+def _unpad(x_NxC, like):
+    """The first like.size elements of x_NxC, shaped like `like`."""
+    flat = x_NxC.reshape(-1)
+    if flat.shape[0] != like.size:
+        flat = flat[: like.size]
+    return flat.reshape(like.shape)
 
 
 def _gather(x, axes, codec, key, axis, tiled, to):
     """Compressed all_gather with `jax.lax.all_gather`'s layout."""
     n = lax.axis_size(axes)
-    payload = codec.encode(x.reshape(1, -1), key=key)
-    rows = codec.decode(_gather_rows(payload, axes, to), (n, x.size), x.dtype)
+    payload = _encode(codec, x.reshape(1, -1), key)
+    rows = _decode(codec, _gather_rows(payload, axes, to), n, x.size, x.dtype)
     stacked = jnp.moveaxis(rows.reshape((n,) + x.shape), 0, axis)
     if not tiled:
         return stacked
@@ -196,9 +246,9 @@ def _scatter(x, axes, codec, key, dim, tiled):
 
 
 def _permute(x, axes, codec, key, perm):
-    payload = codec.encode(x.reshape(1, -1), key=key)
+    payload = _encode(codec, x.reshape(1, -1), key)
     moved = _send(payload, lambda a: lax.ppermute(a, axes, perm))
-    return codec.decode(moved, (1, x.size), x.dtype).reshape(x.shape)
+    return _decode(codec, moved, 1, x.size, x.dtype).reshape(x.shape)
 
 
 def _exchange(x, axes, codec, key, split_axis, concat_axis, tiled):
@@ -217,8 +267,8 @@ def _exchange(x, axes, codec, key, split_axis, concat_axis, tiled):
                              f"{x.shape[split_axis]}; tiled=False needs the axis size {n}")
         chunks_N = jnp.moveaxis(x, split_axis, 0)
     chunk_shape = chunks_N.shape[1:]
-    payload = codec.encode(chunks_N.reshape(n, -1), key=key)
-    rows = codec.decode(_all_to_all_rows(payload, axes), (n, math.prod(chunk_shape)), x.dtype)
+    payload = _encode(codec, chunks_N.reshape(n, -1), key)
+    rows = _decode(codec, _all_to_all_rows(payload, axes), n, math.prod(chunk_shape), x.dtype)
     received = jnp.moveaxis(rows.reshape((n,) + chunk_shape), 0, concat_axis)
     if not tiled:
         return received
@@ -501,7 +551,9 @@ def psum_scatter_ef(x, residual, axis_name, *, scatter_dimension=0, tiled=False,
     def kernel(leaf, axes, c, k):
         dim = scatter_dimension % leaf.ndim
         x_N = _scatter_rows(leaf, lax.axis_size(axes), dim, tiled)
-        total, sent_NxM = _reduce_scatter_rows(x_N.reshape(x_N.shape[0], -1), axes, c, k)
+        n, m = x_N.shape[0], math.prod(x_N.shape[1:])
+        total, payload = _reduce_scatter_rows(x_N.reshape(n, m), axes, c, k)
+        sent_NxM = _decode(c, payload, n, m, jnp.float32)
         sent = jnp.moveaxis(sent_NxM.reshape(x_N.shape), 0, dim).reshape(leaf.shape)
         return total.astype(leaf.dtype).reshape(x_N.shape[1:]), sent
 

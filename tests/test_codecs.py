@@ -265,6 +265,20 @@ def test_topk_keeps_exactly_the_largest_magnitudes(dtype):
         np.testing.assert_array_equal(y[r, list(kept)], x32[r, list(kept)])
 
 
+def test_topk_of_many_rows_keeps_each_rows_largest():
+    # More rows than are unrolled: the rows go through a loop, one top-k each.
+    codec = codecs.TopK(0.1)
+    x = _normal((3, 7, 40), seed=11)
+    payload, y = _code(codec, x)
+    x32, y = _f32(x), _f32(y)
+    assert payload["indices"].shape == (3, 7, 4)
+    for r in np.ndindex(3, 7):
+        want = np.sort(np.argsort(-np.abs(x32[r]), kind="stable")[:4])
+        np.testing.assert_array_equal(np.sort(np.asarray(payload["indices"][r])), want)
+        np.testing.assert_array_equal(np.nonzero(y[r])[0], want)
+        np.testing.assert_array_equal(y[r][want], x32[r][want])
+
+
 def test_sparse_k_is_ceil_of_fraction_times_row():
     for cls in (codecs.TopK, codecs.RandK):
         for f, c, k in [(0.01, 300, 3), (0.001, 7, 1), (0.5, 7, 4), (1.0, 5, 5), (0.3, 10, 3)]:
@@ -319,6 +333,67 @@ def test_nan_and_inf_make_their_block_non_finite(spec):
     # for the int codecs, and within e4m3's unit roundoff 2**-4 of 2 for fp8.
     step = {"fp8": 2.0 * 2.0**-4, "int8": 2 / 127, "int4": 2 / 7, "int2": 2.0}[codec.name]
     assert np.all(np.abs(y[12:] - _f32(x)[12:]) <= step)
+
+
+# 2**16 elements per row: large enough that XLA:CPU hands a plain max-reduction
+# to a library kernel that skips NaN (seen from 65536 elements on).
+LARGE = (4, 2**16)
+
+
+@pytest.mark.parametrize("spec", QUANT_SPECS)
+def test_nan_and_inf_in_large_inputs_make_their_block_non_finite(spec):
+    codec = codecs.parse(spec)
+    x = np.array(_normal(LARGE, seed=8))
+    x[0, 12345] = np.nan      # mid-block
+    x[1, 256 * 7] = -np.inf   # first element of a block
+    x[2, 256 * 100 - 1] = np.nan  # last element of a block
+    x[3, 1000] = np.inf
+    y = _f32(_roundtrip(codec, jnp.asarray(x)))
+    nan_0, nan_2 = 12345 // 256 * 256, 256 * 99
+    assert np.all(np.isnan(y[0, nan_0:nan_0 + 256]))
+    assert np.all(np.isnan(y[2, nan_2:nan_2 + 256]))
+    assert y[1, 256 * 7] == -np.inf and not np.any(np.isfinite(y[1, 256 * 7:256 * 8]))
+    assert y[3, 1000] == np.inf and not np.any(np.isfinite(y[3, 768:1024]))
+    # every other block stays finite
+    bad_blocks = {(0, nan_0), (1, 256 * 7), (2, nan_2), (3, 768)}
+    for r, b in [(r, b) for r in range(4) for b in range(0, LARGE[1], 256)]:
+        if (r, b) not in bad_blocks:
+            assert np.all(np.isfinite(y[r, b:b + 256])), (r, b)
+
+
+@pytest.mark.parametrize("spec", ["fp8", "int8", "int4", "int2", "int4:block=3", "int2:block=5",
+                                  "int2:block=6"])
+def test_rows_of_row_multiple_code_like_whole_rows(spec):
+    """Blocks are coded independently: a row of k*u elements and k rows of u
+    elements (u = row_multiple) decode to the same values and cost the same bytes.
+    Collectives rely on this to code chunks in the (k, u) shape."""
+    codec = codecs.parse(spec)
+    u = codec.row_multiple
+    x = _normal((3, 5 * u), seed=9)
+    payloads, ys = _code_many(codec, (x, x.reshape(3, 5, u)))
+    np.testing.assert_array_equal(np.asarray(ys[1]).reshape(3, -1), np.asarray(ys[0]))
+    sent = [sum(leaf.nbytes for leaf in jax.tree.leaves(p)) for p in payloads]
+    assert sent[0] == sent[1] == codec.wire_bytes(x.shape, x.dtype)
+
+
+def test_fp8_bits_match_float8_e4m3fn_conversion():
+    """Fp8 converts with integer arithmetic on the float bits; it must agree bit
+    for bit with jnp's float8_e4m3fn on every code and on every rounding case
+    it can meet (finite |v| <= 448)."""
+    codes = jnp.arange(256, dtype=jnp.uint8)
+    want = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32))
+    got = np.asarray(jax.jit(codecs._e4m3_values)(codes))
+    np.testing.assert_array_equal(got, want)  # NaN codes compare equal as NaN
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    values = np.unique(want[np.isfinite(want)])
+    mids = ((values[:-1] + values[1:]) / 2).astype(np.float32)  # ties: round half to even
+    rng = np.random.default_rng(10)
+    v = np.concatenate([values, mids, np.nextafter(mids, np.float32(np.inf)),
+                        np.nextafter(mids, np.float32(-np.inf)), rng.uniform(-448, 448, 20000),
+                        rng.normal(size=20000) * 2.0**-7, [0.0, -0.0, 448.0, -448.0]])
+    v = jnp.asarray(v[np.abs(v) <= 448], jnp.float32)
+    want_bits = jax.lax.bitcast_convert_type(v.astype(jnp.float8_e4m3fn), jnp.uint8)
+    np.testing.assert_array_equal(np.asarray(jax.jit(codecs._e4m3_bits)(v)), np.asarray(want_bits))
 
 
 @pytest.mark.parametrize("spec", ["bf16", "fp16", "topk:0.25", "randk:0.25"])

@@ -246,6 +246,61 @@ def test_nan_and_inf_propagate_and_zeros_stay_exact(mesh, codec):
     assert np.isfinite(expected[:, :500]).all()
 
 
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int2"])
+def test_nan_in_a_large_psum_reaches_the_output(mesh, codec):
+    """Chunks of 2**16 elements and more: XLA:CPU's library max-reduction skips
+    NaN at that size, so the block scale must be computed without it."""
+    n_local = 2**17  # each device codes a 2**16-element chunk per phase
+    x = np.random.default_rng(0).normal(size=(8, n_local)).astype(np.float32)
+    x[:4, 70_000] = np.nan   # data rank 0
+    x[4:, 3_000] = -np.inf   # data rank 1
+    fn, _ = _psum_program(mesh, codec, n_local)
+    out = np.asarray(fn(_put(mesh, jnp.asarray(x))))
+    assert np.isnan(out[:, 70_000]).all() and not np.isfinite(out[:, 3_000]).any()
+    finite = np.ones(n_local, bool)
+    finite[69_888:70_144] = finite[2_816:3_072] = False  # the two blocks of 256 hit
+    assert np.isfinite(out[:, finite]).all()
+
+
+@pytest.mark.parametrize("codec", ["topk:0.01", "randk:0.01"])
+@pytest.mark.parametrize("op", ["psum", "psum_scatter", "all_to_all"])
+def test_sparse_selection_is_a_partial_sort(mesh, codec, op):
+    """XLA:CPU rewrites a batched top-k whose rows are later split apart (as the
+    all_to_all of the payload does) into a full sort of every row, 100x slower
+    at a million elements; the codecs select per row, which stays a TopK call."""
+    name, ours, _, spec = {c[0]: c for c in _cases(codec, key=0)}[op]
+    x = _grid(mesh, jnp.float32, np.random.default_rng(0), shape=(8, 8, 512))
+    body = jax.shard_map(lambda a: ours(a[0])[None], mesh=mesh, in_specs=EVERY, out_specs=spec)
+    text = jax.jit(body).lower(x).compile().as_text()
+    assert "TopK" in text and " sort(" not in text
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8", "int2:block=6"])
+def test_whole_blocks_travel_as_the_codec_codes_them(mesh, codec):
+    """all_gather, ppermute and all_to_all of a size that splits into whole rows
+    of row_multiple code them as such rows: the result must be exactly the
+    codec's own round trip of every device's data."""
+    c = codecs.parse(codec)
+    u = c.row_multiple
+    x = _grid(mesh, jnp.float32, np.random.default_rng(1), shape=(8, 2, 4 * u))
+
+    def run(fn, spec):
+        return np.asarray(jax.jit(jax.shard_map(lambda a: fn(a[0])[None], mesh=mesh,
+                                                in_specs=EVERY, out_specs=spec))(x))
+
+    flat = np.asarray(x).reshape(8, -1)
+    want = np.asarray(c.decode(c.encode(jnp.asarray(flat)), flat.shape, jnp.float32))
+    want = want.reshape(2, 2, 2, 2, 4 * u)  # (data, tensor, pipeline, rows, row)
+    got = run(lambda a: cc.all_gather(a, "tensor", codec=codec), EVERY).reshape(2, 2, 2, 2, 2, 4 * u)
+    for t in range(2):  # gathered copy t came from tensor rank t
+        np.testing.assert_array_equal(got[:, :, :, t], np.broadcast_to(want[:, t:t + 1], want.shape))
+    got = run(lambda a: cc.ppermute(a, "pipeline", PERM, codec=codec), EVERY).reshape(want.shape)
+    np.testing.assert_array_equal(got, want[:, :, ::-1])
+    got = run(lambda a: cc.all_to_all(a, "data", 0, 0, tiled=True, codec=codec), EVERY)
+    got = got.reshape(2, 2, 2, 2, 4 * u)  # row j of data rank d came from rank j's row d
+    np.testing.assert_array_equal(got, np.swapaxes(want, 0, 3))
+
+
 @pytest.mark.parametrize("n", [1, 3, 255, 257, 1001])
 def test_ragged_sizes_hide_padding(mesh, n):
     fn, x = _psum_program(mesh, "int8", n)
