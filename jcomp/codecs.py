@@ -55,6 +55,7 @@ VALID_FORMS = (
     "int2[:block=N][:sr]",
     "topk:F  (0 < F <= 1)",
     "randk:F (0 < F <= 1)",
+    "powersgd:rank=R[:factor=C][:fallback=C]  (data-parallel gradients only)",
 )
 
 
@@ -239,12 +240,12 @@ def _unpack(b_LxNbytes, bits: int, nb: int, block: int):
     lead = b_LxNbytes.shape[:-1]
     if per == 1:
         return b_LxNbytes.reshape(*lead, nb, block)
-    groups = nb if block % per == 0 else 1
-    b_LxGxR = b_LxNbytes.reshape(*lead, groups, -1)
+    whole_blocks = block % per == 0  # the groups `_pack` chose
+    b_LxGxR = b_LxNbytes.reshape(*lead, nb if whole_blocks else 1, -1)
     mask = jnp.uint8(2**bits - 1)
     runs = [(b_LxGxR >> (k * bits)) & mask for k in range(per)]
     u_LxGxS = jnp.concatenate(runs, axis=-1)
-    if groups == nb:
+    if whole_blocks:
         return u_LxGxS
     return u_LxGxS.reshape(*lead, -1)[..., : nb * block].reshape(*lead, nb, block)
 
@@ -562,6 +563,8 @@ def parse(spec) -> Any:
     if not isinstance(spec, str):
         if hasattr(spec, "encode") and hasattr(spec, "wire_bytes"):
             return spec
+        if getattr(spec, "kind", None) == "lowrank":  # PowerSGD: reduced by jcomp.powersgd
+            return spec
         raise TypeError(f"codec spec must be a string or a codec; got {type(spec).__name__}")
     name, *opts = [part.strip() for part in spec.strip().lower().split(":")]
     plain = {"none": Identity, "bf16": lambda: Cast("bf16", jnp.bfloat16),
@@ -578,6 +581,10 @@ def parse(spec) -> Any:
         return Fp8(block)
     if name in ("topk", "randk"):
         return (TopK if name == "topk" else RandK)(_fraction_option(spec, name, opts))
+    if name == "powersgd":
+        from jcomp import powersgd  # it builds on this module and the collectives
+
+        return powersgd.parse(spec)
     raise _bad(spec, f"unknown codec {name!r}")
 
 

@@ -57,7 +57,11 @@ class Policy:
         for key, spec in overrides.items():
             axis, _, kind = str(key).partition(".")
             _check(axis, kind, where=f"policy override {key!r}")
-            entries[axis, kind] = codecs.parse(spec)
+            codec = codecs.parse(spec)
+            if getattr(codec, "kind", None) == "lowrank" and (axis, kind) != ("data", "grad"):
+                raise ValueError(f"policy override {key!r}: {codec} compresses data-parallel "
+                                 "gradients only (data.grad)")
+            entries[axis, kind] = codec
         return Policy(_freeze(entries), self.error_feedback)
 
     def __str__(self):

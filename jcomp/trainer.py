@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jcomp import checkpoint, codecs, data, optimizer, parallel, step, wire
+from jcomp import checkpoint, data, optimizer, parallel, step, wire
 from jcomp import mesh as mesh_lib
 from jcomp import metrics as metrics_lib
 from jcomp import model as gpt
@@ -77,12 +77,15 @@ def build_policy(comp) -> policy_lib.Policy:
             spec = comp[axis][kind]
             if spec:
                 try:
-                    codecs.parse(spec)
+                    policy_lib.preset("baseline").replace({f"{axis}.{kind}": spec})
                 except (TypeError, ValueError) as e:
                     raise UsageError(f"compression.{axis}.{kind}: {e}") from None
                 overrides[f"{axis}.{kind}"] = spec
     ef = {"auto": None, "on": True, "off": False}[comp.error_feedback]
-    return policy_lib.build(comp.policy, overrides, ef)
+    try:
+        return policy_lib.build(comp.policy, overrides, ef)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"compression: {e}") from None
 
 
 def _model_config(cfg) -> gpt.ModelConfig:
@@ -126,7 +129,11 @@ def validate(cfg, n_devices: int):
     if cfg.train.batch_size % jax.process_count():
         raise UsageError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
                          f"{jax.process_count()} processes")
-    return model_cfg, shape, build_policy(cfg.compression)
+    pol = build_policy(cfg.compression)
+    if getattr(pol["data", "grad"], "kind", None) == "lowrank" and cfg.optim.zero_stage != 1:
+        raise UsageError("compression.data.grad=powersgd needs optim.zero_stage=1: its "
+                         "factors are all-reduced, not reduce-scattered")
+    return model_cfg, shape, pol
 
 
 def make_tx(cfg):
