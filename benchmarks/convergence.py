@@ -18,7 +18,8 @@ Every run is `python train.py` in a subprocess with its own workdir under
 
 Every suite also runs the baseline, the reference for gaps and byte ratios.
 A finished run (its metrics.jsonl has a record of the last step) is skipped;
-an unfinished one is rerun, and train.py resumes it from its checkpoint. The
+an unfinished one is rerun, and train.py resumes it from its checkpoint. Once
+a run finishes its checkpoints are deleted (--keep-checkpoints keeps them). The
 step count is part of each workdir's name, so runs of different lengths
 never mix.
 
@@ -40,6 +41,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -270,6 +272,8 @@ def parse_args(argv=None):
     p.add_argument("--only", nargs="+", default=None, help="run just these names (and baseline)")
     p.add_argument("--out", default=DEFAULT_OUT, help="workdirs, logs, summary.json and plots")
     p.add_argument("--quick", action="store_true", help="a few steps of configs/tiny.py")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each finished run's checkpoints (deleted by default)")
     args = p.parse_args(argv)
     if args.quick:
         args.config = args.config or QUICK["config"]
@@ -315,6 +319,10 @@ def main(argv=None) -> int:
         except RuntimeError as e:
             print(f"convergence.py: {e}", file=sys.stderr)
             return 1
+        if not args.keep_checkpoints:
+            # A finished run is judged by its metrics alone; its checkpoints
+            # (hundreds of MB per sweep) would only be restored to train further.
+            shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
 
     summary_path = os.path.join(out, "summary.json")
     old = json.load(open(summary_path)) if os.path.exists(summary_path) else {}

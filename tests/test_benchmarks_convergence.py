@@ -66,6 +66,7 @@ def test_quick_summary_has_every_field(quick):
         assert all(r["wire_bytes"][a] > 0 for a in AXES)  # every axis of (2,2,2) carries traffic
         assert r["wire_bytes_total"] >= sum(r["wire_bytes"].values())
         assert os.path.exists(ROOT / r["workdir"] / "metrics.jsonl")
+        assert not os.path.exists(ROOT / r["workdir"] / "checkpoints")  # deleted once finished
     base, hyb = runs["baseline"], runs["hybrid"]
     assert base["gap_pct"] == 0.0 and base["byte_ratio"] == 1.0
     assert hyb["gap_pct"] == pytest.approx(
@@ -192,3 +193,19 @@ def test_closest_bytes_pair_and_claims():
     assert "naive degrades the loss more than hybrid matches here" in text
     assert "grad_int2_efon has the lower loss" in text
     assert "lowered the final loss gap at 1 of 1 strengths" in text
+
+
+def test_projection_claims_compare_order_and_bound():
+    def row(total, comm):
+        return dict(total_s=total, comm_s={"data": comm, "tensor": 0.0, "pipeline": 0.0},
+                    gain_pct=100 * (10.0 / total - 1))
+    proj = {"paper": {"naive": {"tflops_gain_pct": 22.5, "samples_gain_pct": 23.6},
+                      "hybrid": {"tflops_gain_pct": 17.3, "samples_gain_pct": 12.7}},
+            "clusters": {"c": {"policies": {"baseline": row(10.0, 2.0), "naive": row(8.5, 0.5),
+                                            "hybrid": row(9.0, 1.0)}}}}
+    text = "\n".join(report.projection_claims(proj))
+    # gains 100*(10/8.5-1)=17.6 and 100*(10/9-1)=11.1; comm share 2/10 bounds gains at 25%
+    assert "naive +17.6%, hybrid +11.1%" in text
+    assert "The order naive > hybrid matches" in text
+    assert "spends 20.0% of its step communicating" in text and "at +25.0%" in text
+    assert "at least 18.4%" in text
