@@ -30,7 +30,10 @@ BYTES_TARGET = 0.25      # and sends at most a quarter of its bytes
 WHY = """\
 Why numbers here differ from the papers'. The papers train GPT-NeoX-20B on up to
 192 V100s for far more tokens; the runs above train a small GPT on 8 emulated
-CPU devices of one host for a few hundred steps. Three consequences:
+CPU devices of one host for a few hundred steps. Consequences:
+- Sets of runs shorter than the main one (a few tens of steps) were made
+  shorter to fit the machine time available: they compare early training
+  only, with one seed per setting.
 - Loss gaps at a few hundred steps say how much a codec perturbs early
   training, not where a long run ends; error feedback needs steps to pay back.
 - No byte crosses a network here: wire bytes are read from the compiled
