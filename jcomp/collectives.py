@@ -121,10 +121,10 @@ def _gather_rows(payload, axes, to):
 
 # Dense codecs code blocks independently, so a chunk of C elements may be coded
 # as C/u rows of u = codec.row_multiple elements instead of one row of C: the
-# payload holds the same bytes, only shaped (n, C/u, ...). Kept in that shape,
-# every fused encode and decode of XLA:CPU runs over one array shape and
-# vectorises; flattening inside a fusion (a bitcast that splits the minor
-# dimension) makes it fall back to scalar loops several times slower.
+# payload holds the same bytes, only shaped (n, C/u, ...). Kept in that shape
+# up to the collective, XLA:CPU's fused encode and decode run over one array
+# shape and vectorise; a reshape to a flat row inside such a fusion (as the
+# packing of int4/int2 needs) was seen to make it emit scalar loops 3-4x slower.
 
 def _view(codec, m: int) -> tuple:
     """The shape a row of m elements is coded in: (m/u, u), or (m,) if u does not divide m."""
@@ -158,9 +158,9 @@ def _add_all(rows):
     """Sum of same-shaped arrays as a tree of elementwise adds.
 
     XLA:CPU compiles a reduction over the leading axis of a fused decode, and
-    row slices taken after the decode, into slow unvectorised loops (about 10x
-    an elementwise add); decoding each row on its own and adding fuses into
-    one vectorised pass."""
+    row slices taken after the decode, into unvectorised loops 7-10x slower
+    than an elementwise add; decoding each row on its own and adding fuses
+    into one vectorised pass."""
     while len(rows) > 1:
         pairs = [a + b for a, b in zip(rows[0::2], rows[1::2])]
         rows = pairs + rows[len(pairs) * 2:]

@@ -100,6 +100,18 @@ def test_every_code_level_survives_packing(bits, block):
     np.testing.assert_array_equal(np.asarray(y), x)
 
 
+@pytest.mark.parametrize("bits,block,c", [(4, 3, 3), (4, 3, 2), (2, 5, 5), (2, 5, 3), (2, 7, 15)])
+def test_short_rows_of_odd_blocks_survive_packing(bits, block, c):
+    # Blocks that do not split into whole bytes pack the padded row as one group.
+    codec = codecs.IntQuant(bits, block=block)
+    qmax = 2 ** (bits - 1) - 1
+    x = np.asarray(jax.random.randint(_key(3), (2, c), -qmax, qmax + 1), np.float32)
+    x[:, ::block] = qmax  # scale exactly 1: codes come back bit-exact
+    payload, y = _code(codec, jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(y), x)
+    assert payload["q"].nbytes + payload["scale"].nbytes == codec.wire_bytes(x.shape, jnp.float32)
+
+
 @pytest.mark.parametrize("bits,block", [(8, 256), (4, 3), (2, 5), (2, 256)])
 def test_row_multiple_sends_no_padding(bits, block):
     codec = codecs.IntQuant(bits, block=block)
@@ -277,6 +289,21 @@ def test_topk_of_many_rows_keeps_each_rows_largest():
         np.testing.assert_array_equal(np.sort(np.asarray(payload["indices"][r])), want)
         np.testing.assert_array_equal(np.nonzero(y[r])[0], want)
         np.testing.assert_array_equal(y[r][want], x32[r][want])
+
+
+@pytest.mark.parametrize("fraction", [0.002, 0.02, 0.1, 0.5, 1.0])
+def test_sparse_selection_matches_lax_top_k_with_ties(fraction):
+    """Small fractions use XLA's top-k, large ones a threshold search; both must
+    pick exactly lax.top_k's entries, ties going to the lower index."""
+    rng = np.random.default_rng(12)
+    ties = rng.integers(0, 5, (3, 2000)).astype(np.float32)   # heavy ties
+    spread = np.abs(rng.normal(size=(3, 2000))).astype(np.float32)
+    spread[1, :7] = np.inf  # what NaN and Inf rank as
+    k = codecs._num_kept(fraction, 2000)
+    for score in (ties, spread):
+        want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(score), k)[1]), axis=-1)
+        got = jax.jit(lambda s: codecs._top_k_indices(s, k))(jnp.asarray(score))
+        np.testing.assert_array_equal(np.sort(np.asarray(got), axis=-1), want)
 
 
 def test_sparse_k_is_ceil_of_fraction_times_row():
