@@ -510,7 +510,7 @@ def _sparse_bytes(fraction: float, shape, dtype) -> int:
 class TopK:
     """`topk:F`: per row, the k = ceil(F*C) entries largest in magnitude.
 
-    NaN ranks as +inf magnitude, so non-finite entries are sent first: none is
+    NaN ranks as +inf magnitude, so non-finite entries are kept first: none is
     dropped while k >= their number. Decoding scatters into zeros.
     Payload: {"values": x.dtype (*lead, k), "indices": int32 (*lead, k)}.
     """
