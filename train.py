@@ -37,8 +37,11 @@ FLAGS = flags.FLAGS
 
 
 def _fail(message: str, code: int = 2):
-    print(f"train.py: error: {message}".replace("\n", " "), file=sys.stderr)
-    sys.exit(code)
+    print(f"train.py: error: {message}".replace("\n", " "), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # Exit without interpreter teardown: background libraries (orbax's asyncio
+    # readers after a failed restore) would otherwise print more lines after ours.
+    os._exit(code)
 
 
 def _start_jax():

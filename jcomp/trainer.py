@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
 import signal
+import sys
 import time
 
 import jax
@@ -365,12 +367,18 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
 def _quiet(logger):
     """Holds back `logger`'s warnings: the error raised when no checkpoint is
     usable repeats them, and must stay the only line."""
-    old = logger.level
+    old, old_hook = logger.level, sys.unraisablehook
     logger.setLevel(logging.ERROR)
+    # A failed orbax read leaves coroutines whose errors surface only when they are
+    # garbage-collected ("Exception ignored in ..."); the restore already reported
+    # the failure with its path, so log them at debug level instead of on stderr.
+    sys.unraisablehook = lambda u: _log.debug("after a failed restore: %s", u.exc_value)
     try:
         yield
     finally:
+        gc.collect()
         logger.setLevel(old)
+        sys.unraisablehook = old_hook
 
 
 @contextlib.contextmanager
