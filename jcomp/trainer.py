@@ -304,6 +304,8 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
     writer = metrics_lib.MetricsWriter(os.path.join(workdir, "metrics.jsonl")) \
         if jax.process_index() == 0 else None
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    lr_at = _lr(cfg)
+    logged_variant = None  # the step variant whose static metrics were last logged
     last = {}
     with _StopFlag() as stop, metrics_lib.Progress(cfg.train.steps, start) as bar, \
             _finishing(ckpt, writer):
@@ -326,7 +328,7 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
                     raise NonFiniteError(msg)
                 _log.warning("%s: update skipped", msg)
             record = {"step": done, "loss": loss, "grad_norm": float(m["grad_norm"]),
-                      "lr": float(_lr(cfg)(i)), "step_time_s": dt,
+                      "lr": float(lr_at(i)), "step_time_s": dt,
                       "tokens_per_s": tokens_per_step / dt, "compressed": compress,
                       "skipped_updates": int(state["skipped"])}
             if "ef_norm" in m:
@@ -337,8 +339,8 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
                     _log.warning("step %d: error-feedback residual norm %.4g exceeds "
                                  "train.ef_reset_norm=%g: residuals reset to zero",
                                  done, record["ef_norm"], cfg.train.ef_reset_norm)
-            if done == start + 1 or compiled.get("logged") != compress:
-                compiled["logged"] = compress
+            if logged_variant != compress:
+                logged_variant = compress
                 record.update(_static_metrics(report, state))
             if val and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
                 record["val_loss"] = float(np.mean([float(eval_fn(
