@@ -38,7 +38,7 @@ from jcomp import codecs as _codecs
 
 __all__ = [
     "psum", "psum_scatter", "all_gather", "ppermute", "all_to_all",
-    "copy_to_parallel", "reduce_from_parallel", "psum_ef", "psum_scatter_ef",
+    "copy_to_parallel", "reduce_from_parallel", "psum_ef", "psum_scatter_ef", "vary",
 ]
 
 
@@ -52,10 +52,17 @@ def _varying(x) -> frozenset:
     return jax.typeof(x).mat.varying
 
 
-def _vary(x, axes):
-    """Marks `x` varying over those of `axes` it is not yet varying over."""
+def vary(x, axes):
+    """Marks `x` varying over those of `axes` it is not yet varying over
+    (`lax.pcast` refuses axes the value already varies over)."""
     missing = tuple(a for a in axes if a not in _varying(x))
     return lax.pcast(x, missing, to="varying") if missing else x
+
+
+
+def _bwd_key(key):
+    """The backward pass draws its own randomness, distinct from the forward's."""
+    return None if key is None else jax.random.fold_in(key, 1)
 
 
 def _codec_pair(codec, bwd_codec):
@@ -293,7 +300,7 @@ def _psum_fwd(axes, codec, bwd_codec, x, key):
 
 def _psum_bwd(axes, codec, bwd_codec, _, ct):
     # The transpose of an all-reduce into an invariant value is a broadcast: no traffic.
-    return _vary(ct, axes), None
+    return vary(ct, axes), None
 
 
 _psum_vjp.defvjp(_psum_fwd, _psum_bwd)
@@ -327,13 +334,13 @@ def _gather_fwd(axes, codec, bwd_codec, layout, x, key):
 
 def _gather_bwd(axes, codec, bwd_codec, layout, key, ct):
     axis, tiled, to = layout
-    kb = None if key is None else jax.random.fold_in(key, 1)
+    kb = _bwd_key(key)
     if to == "invarying":
         # Every device holds the same gathered value: its slice of the cotangent is local.
         n = lax.axis_size(axes)
         rows = _to_gather_rows(ct, n, axis, tiled)
         own = lax.dynamic_index_in_dim(rows, lax.axis_index(axes), 0, keepdims=False)
-        return _vary(own, axes), None
+        return vary(own, axes), None
     return _scatter(ct, axes, bwd_codec, kb, axis, tiled), None
 
 
@@ -358,7 +365,7 @@ def _scatter_fwd(axes, codec, bwd_codec, layout, x, key):
 
 def _scatter_bwd(axes, codec, bwd_codec, layout, key, ct):
     dim, tiled = layout
-    kb = None if key is None else jax.random.fold_in(key, 1)
+    kb = _bwd_key(key)
     return _gather(ct, axes, bwd_codec, kb, dim, tiled, "varying"), None
 
 
@@ -375,7 +382,7 @@ def _permute_fwd(axes, codec, bwd_codec, perm, x, key):
 
 
 def _permute_bwd(axes, codec, bwd_codec, perm, key, ct):
-    kb = None if key is None else jax.random.fold_in(key, 1)
+    kb = _bwd_key(key)
     inverse = tuple((dst, src) for src, dst in perm)
     return _permute(ct, axes, bwd_codec, kb, inverse), None
 
@@ -395,7 +402,7 @@ def _exchange_fwd(axes, codec, bwd_codec, layout, x, key):
 
 def _exchange_bwd(axes, codec, bwd_codec, layout, key, ct):
     split_axis, concat_axis, tiled = layout
-    kb = None if key is None else jax.random.fold_in(key, 1)
+    kb = _bwd_key(key)
     return _exchange(ct, axes, bwd_codec, kb, concat_axis, split_axis, tiled), None
 
 
@@ -480,7 +487,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
 
     def one(leaf, k):
         ax = axis % (leaf.ndim + (0 if tiled else 1))
-        return _gather_vjp(axes, fwd, bwd, (ax, tiled, to), _vary(leaf, axes),
+        return _gather_vjp(axes, fwd, bwd, (ax, tiled, to), vary(leaf, axes),
                            _device_key(k, axes, fwd))
 
     return _map(one, x, key)
@@ -498,7 +505,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
 
     def one(leaf, k):
         dim = scatter_dimension % leaf.ndim
-        return _scatter_vjp(axes, fwd, bwd, (dim, tiled), _vary(leaf, axes),
+        return _scatter_vjp(axes, fwd, bwd, (dim, tiled), vary(leaf, axes),
                             _device_key(k, axes, fwd))
 
     return _map(one, x, key)
@@ -511,7 +518,7 @@ def ppermute(x, axis_name, perm, *, codec="none", bwd_codec=None, key=None):
         return lax.ppermute(x, axis_name, perm)
     axes, fwd, bwd, key = ready
     perm = tuple((int(s), int(d)) for s, d in perm)
-    return _map(lambda leaf, k: _permute_vjp(axes, fwd, bwd, perm, _vary(leaf, axes),
+    return _map(lambda leaf, k: _permute_vjp(axes, fwd, bwd, perm, vary(leaf, axes),
                                              _device_key(k, axes, fwd)), x, key)
 
 
@@ -526,7 +533,7 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
 
     def one(leaf, k):
         layout = (split_axis % leaf.ndim, concat_axis % leaf.ndim, tiled)
-        return _exchange_vjp(axes, fwd, bwd, layout, _vary(leaf, axes),
+        return _exchange_vjp(axes, fwd, bwd, layout, vary(leaf, axes),
                              _device_key(k, axes, fwd))
 
     return _map(one, x, key)
@@ -575,7 +582,7 @@ def _ef(x, residual, axis_name, codec, key, kernel, exact=None):
     res_leaves = treedef.flatten_up_to(residual)
     outs, news = [], []
     for leaf, res, k in zip(leaves, res_leaves, _leaf_keys(key, leaves)):
-        corrected = lax.stop_gradient(_vary(leaf + res.astype(leaf.dtype), axes))
+        corrected = lax.stop_gradient(vary(leaf + res.astype(leaf.dtype), axes))
         total, sent = kernel(corrected, axes, c, _device_key(k, axes, c))
         outs.append(total)
         news.append((corrected.astype(jnp.float32) - sent).astype(res.dtype))

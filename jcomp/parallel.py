@@ -101,11 +101,6 @@ def shard_params(params, mesh):
 
 # ------------------------------------------------------ pieces of the model
 
-def _vary(x, axes):
-    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _vocab_range(embed_VtxD):
     """[start, start + V/T) of this tensor rank's vocabulary shard."""
     v_local = embed_VtxD.shape[0]
@@ -209,7 +204,7 @@ def local_loss(params, batch_bxL1, cfg, pol, microbatches: int, remat: bool = Fa
 def local_value_and_grad(params, batch_bxL1, cfg, pol, microbatches, remat=False):
     """-> (this rank's loss, this rank's gradients). Gradients vary over 'data':
     no reduction over data has happened yet."""
-    params_v = jax.tree.map(lambda x: _vary(x, (DATA,)), params)
+    params_v = jax.tree.map(lambda x: cc.vary(x, (DATA,)), params)
     return jax.value_and_grad(local_loss)(params_v, batch_bxL1, cfg, pol, microbatches, remat)
 
 
