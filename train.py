@@ -37,10 +37,18 @@ FLAGS = flags.FLAGS
 
 
 def _fail(message: str, code: int = 2):
-    print(f"train.py: error: {message}".replace("\n", " "), file=sys.stderr, flush=True)
+    line = f"train.py: error: {message}".replace("\n", " ") + "\n"
     sys.stdout.flush()
-    # Exit without interpreter teardown: background libraries (orbax's asyncio
-    # readers after a failed restore) would otherwise print more lines after ours.
+    sys.stderr.flush()
+    # Our line is the last word: background threads (orbax's asyncio readers after
+    # a failed restore) may still be writing tracebacks, so descriptors 1 and 2 go to
+    # /dev/null before our line is written to a copy of stderr, and the interpreter
+    # exits without the teardown that would wake those threads.
+    err = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.write(err, line.encode())
     os._exit(code)
 
 

@@ -244,8 +244,35 @@ def _json_meta(meta) -> dict:
 
 
 def _reason(e: BaseException) -> str:
+    # orbax wraps the storage error (e.g. "OUT_OF_RANGE ... byte range is not valid")
+    # in generic exceptions whose text is a dump of the TensorStore spec; the
+    # innermost cause names the file and what is wrong with it.
+    seen = {id(e)}
+    while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        e = inner
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first[:300]}"
+
+
+class _OrphanedReadFilter(logging.Filter):
+    """After one array of a step fails to read, orbax's sibling read tasks are
+    dropped unawaited and asyncio logs each as "Task exception was never
+    retrieved" at ERROR, long after the restore reported the step unusable with its
+    path and reason. Those records go to this module's debug log instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "never retrieved" in text and any(w in text for w in ("orbax", "OCDBT", "TensorStore")):
+            _log.debug("orbax read task after a failed restore: %s", text.splitlines()[0])
+            return False
+        return True
+
+
+def _demote_orphaned_read_errors():
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _OrphanedReadFilter) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_OrphanedReadFilter())
 
 
 # ---------------------------------------------------------------- the manager
@@ -307,6 +334,29 @@ class Checkpointer:
         )
         return bool(self._mngr.save(int(step), args=args, force=True))
 
+    def set_aside(self, step: int) -> epath.Path:
+        """Moves step `step`'s directory, found unusable, out of the way into
+        `<directory>_unusable/`, so that the run saves that step afresh when it
+        reaches it again. Nothing is deleted; returns the new path. Every process
+        calls it; the first moves the files, the others wait for the move."""
+        _check_count("step", step, 0)
+        source = self.step_path(step)
+        target_dir = self.directory.parent / f"{self.directory.name}_unusable"
+        target, n = target_dir / str(step), 0
+        while target.exists():
+            n += 1
+            target = target_dir / f"{step}-{n}"
+        if jax.process_index() == 0:
+            if not source.exists():
+                raise ValueError(f"step {step}: no directory {source} to set aside")
+            target_dir.mkdir(parents=True, exist_ok=True)
+            os.rename(os.fspath(source), os.fspath(target))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"jcomp_set_aside_{step}")
+        self._mngr.reload()
+        return target
+
     def wait(self):
         """Blocks until the save in flight, if any, is on disk."""
         self._mngr.wait_until_finished()
@@ -332,6 +382,7 @@ class Checkpointer:
         if expect_meta is not None and not isinstance(expect_meta, Mapping):
             raise TypeError(f"expect_meta must be a dict or None; got {type(expect_meta).__name__}")
         self.skipped = []
+        _demote_orphaned_read_errors()
         present = self.steps()
         if step is not None:
             _check_count("step", step, 0)

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 
 import jax
@@ -270,13 +271,16 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
                                        keep=cfg.checkpoint.keep)
         try:
-            with _quiet(logging.getLogger(checkpoint.__name__)):
+            with _quiet(logging.getLogger(checkpoint.__name__), ckpt):
                 restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, pol),
                                         expect_meta={"fingerprint": fingerprint})
         except checkpoint.CheckpointError as e:  # it lists every step it skipped
             raise UsageError(f"checkpoint: {e}") from None
         for path, reason in ckpt.skipped:
-            _log.warning("checkpoint %s cannot be used: %s", path, reason)
+            # Set aside rather than left in place, where it would block saving
+            # its step again and outlive good checkpoints in keep's count.
+            moved = ckpt.set_aside(int(os.path.basename(path)))
+            _log.warning("checkpoint %s cannot be used: %s; moved to %s", path, reason, moved)
     os.makedirs(workdir, exist_ok=True)
     if ckpt is None:
         ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
@@ -366,21 +370,50 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
 
 
 @contextlib.contextmanager
-def _quiet(logger):
+def _quiet(logger, holder=None):
     """Holds back `logger`'s warnings: the error raised when no checkpoint is
-    usable repeats them, and must stay the only line."""
+    usable repeats them, and must stay the only line. `holder.skipped` lists the
+    steps that failed to read when the restore itself succeeded."""
     old, old_hook = logger.level, sys.unraisablehook
     logger.setLevel(logging.ERROR)
     # A failed orbax read leaves coroutines whose errors surface only when they are
-    # garbage-collected ("Exception ignored in ..."); the restore already reported
-    # the failure with its path, so log them at debug level instead of on stderr.
+    # garbage-collected ("Exception ignored in ..."), and TensorStore callbacks that
+    # print "Event loop is closed" tracebacks straight to file descriptor 2. The
+    # restore already reports each unusable step with its path and reason, so that
+    # output is kept in the debug log instead of on stderr.
     sys.unraisablehook = lambda u: _log.debug("after a failed restore: %s", u.exc_value)
-    try:
-        yield
-    finally:
-        gc.collect()
-        logger.setLevel(old)
-        sys.unraisablehook = old_hook
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        failed = True
+        try:
+            yield
+            failed = bool(getattr(holder, "skipped", ()))
+        finally:
+            if failed:
+                _drain(captured)
+            gc.collect()
+            sys.stderr.flush()
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            logger.setLevel(old)
+            sys.unraisablehook = old_hook
+            captured.seek(0)
+            noise = captured.read().decode(errors="replace").strip()
+            if noise:
+                _log.debug("stderr during checkpoint restore:\n%s", noise)
+
+
+def _drain(captured, quiet_s: float = 0.3, limit_s: float = 5.0):
+    """Waits until reads abandoned by a failed restore stop reporting, i.e. until
+    `captured` has not grown for `quiet_s` (at most `limit_s`)."""
+    size, still, start = -1, 0.0, time.monotonic()
+    while still < quiet_s and time.monotonic() - start < limit_s:
+        time.sleep(0.05)
+        now = os.fstat(captured.fileno()).st_size
+        still = still + 0.05 if now == size else 0.0
+        size = now
 
 
 @contextlib.contextmanager

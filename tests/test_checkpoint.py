@@ -222,6 +222,25 @@ def test_damaged_newest_falls_back_to_previous(run_dir, mesh, caplog, damage, re
     assert _listing(run_dir) == before
 
 
+def test_set_aside_moves_a_step_intact_and_frees_it_for_saving(run_dir, mesh):
+    _flip_bulk_byte(run_dir / "20")
+    damaged = _listing(run_dir / "20")
+    with Checkpointer(run_dir, save_every=10, keep=3) as ck:
+        moved = ck.set_aside(20)
+        assert moved == run_dir.parent / "ckpt_unusable" / "20"
+        assert _listing(moved) == damaged and not (run_dir / "20").exists()
+        assert ck.steps() == [10]
+        assert ck.maybe_save(20, _state(mesh, 20), _meta(20))
+        ck.wait()
+        _, _, step = ck.restore(abstract_like(_state(mesh)))
+        assert step == 20 and not ck.skipped
+        # A second unusable copy of the same step does not replace the first.
+        assert ck.set_aside(20) == run_dir.parent / "ckpt_unusable" / "20-1"
+        assert _listing(moved) == damaged
+        with pytest.raises(ValueError, match="no directory"):
+            ck.set_aside(30)
+
+
 def test_step_without_marker_is_not_latest(run_dir):
     _drop_commit_marker(run_dir / "20")
     with Checkpointer(run_dir, save_every=10, keep=3) as ck:

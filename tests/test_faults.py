@@ -266,15 +266,22 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(reference, tmp_path)
     workdir = str(tmp_path / "trunc")
     shutil.copytree(reference, workdir)
     truncate_biggest(os.path.join(ckpt_dir(workdir), "10"))
+    damaged = snapshot(os.path.join(ckpt_dir(workdir), "10"))
     before = n_records(workdir)
     proc = run(workdir, *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warned = [l for l in proc.stderr.splitlines() if "cannot be used" in l]
     assert any(os.path.join(ckpt_dir(workdir), "10") in l for l in warned), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     resumed = records(workdir)[before:]
     assert [r["step"] for r in resumed] == [9, 10], "did not resume from step 8"
     full = losses(records(reference))
     assert all(r["loss"] == full[r["step"]] for r in resumed), (resumed, full)
+    # The damaged step was moved aside untouched, and step 10 was saved afresh.
+    aside = os.path.join(workdir, "checkpoints_unusable", "10")
+    assert snapshot(aside) == damaged
+    assert committed_steps(workdir) == [4, 8, 10]
+    assert sorted(restore_all(workdir)) == [4, 8, 10]
 
 
 def test_all_checkpoints_damaged_exits_2_and_changes_nothing(reference, tmp_path):
