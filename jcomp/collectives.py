@@ -53,9 +53,9 @@ def _varying(x) -> frozenset:
 
 
 def vary(x, axes):
-    """Marks `x` varying over those of `axes` it is not yet varying over
-    (`lax.pcast` refuses axes the value already varies over)."""
-    missing = tuple(a for a in axes if a not in _varying(x))
+    """Marks `x` varying over those of `axes` (a name or a tuple of names) it is
+    not yet varying over (`lax.pcast` refuses axes the value already varies over)."""
+    missing = tuple(a for a in _axes(axes) if a not in _varying(x))
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
