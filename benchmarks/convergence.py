@@ -53,9 +53,11 @@ sys.path.insert(0, ROOT)
 from jcomp import metrics as metrics_lib  # noqa: E402
 
 AXES = ("data", "tensor", "pipeline")
-SUITES = ("main", "ablation", "sweep")
+SUITES = ("main", "ablation", "sweep", "variants")
 GRAD_SWEEP = ("int8", "int4", "int2", "topk:0.1", "topk:0.01")
 ACT_SWEEP = ("int8", "int4", "int2")
+PSGD = "powersgd:rank=4"
+COMMIT_FILE = "git_commit.txt"  # in each run's workdir: the commit that trained it
 DEFAULT_OUT = os.path.join("benchmarks", "results", "convergence")
 QUICK = dict(config="configs/tiny.py", steps=4, eval_every=2, runs=("baseline", "hybrid"))
 
@@ -78,14 +80,21 @@ def run_specs() -> list[dict]:
         for ef in ("on", "off"):
             runs.append(dict(name=f"grad_{_slug(spec)}_ef{ef}", suite="sweep", group="sweep_grad",
                              policy="baseline", overrides={"data.grad": spec}, error_feedback=ef))
+    runs.append(dict(name=f"grad_{_slug(PSGD)}", suite="sweep", group="sweep_grad",
+                     policy="baseline", overrides={"data.grad": PSGD}, error_feedback="on"))
     for spec in ACT_SWEEP:
         runs.append(dict(name=f"act_{_slug(spec)}", suite="sweep", group="sweep_act",
                          policy="baseline", overrides=_tp_act(spec), error_feedback="off"))
+    # hybrid with other data-gradient codecs: the candidates for a hybrid that keeps
+    # the baseline's loss within a quarter of its bytes.
+    for name, grad, ef in (("hybrid_psgd", PSGD, "on"), ("hybrid_grad_int8", "int8", "off")):
+        runs.append(dict(name=name, suite="variants", group="main", policy="hybrid",
+                         overrides={"data.grad": grad}, error_feedback=ef))
     return runs
 
 
 def _slug(spec: str) -> str:
-    return spec.replace(":", "").replace(".", "p")
+    return spec.replace("powersgd:rank=", "powersgd_r").replace(":", "").replace(".", "p")
 
 
 def select(suite: str, only=None) -> list[dict]:
@@ -221,6 +230,10 @@ def collect(out: str, steps: int, args_of) -> list[dict]:
                    command="python train.py " + " ".join(args_of(spec))
                    + f" --workdir={os.path.relpath(workdir, ROOT)}")
         row.update(summarize(metrics_lib.read_metrics(workdir)))
+        commit_path = os.path.join(workdir, COMMIT_FILE)
+        # Runs of a sweep may come from several commits; each keeps its own.
+        row["git_commit"] = (open(commit_path).read().strip() or None
+                             if os.path.exists(commit_path) else None)
         runs.append(row)
     return add_comparisons(runs) if any(r["name"] == "baseline" for r in runs) else runs
 
@@ -319,6 +332,8 @@ def main(argv=None) -> int:
         except RuntimeError as e:
             print(f"convergence.py: {e}", file=sys.stderr)
             return 1
+        with open(os.path.join(workdir, COMMIT_FILE), "w") as f:
+            f.write(f"{_git_commit()}\n")
         if not args.keep_checkpoints:
             # A finished run is judged by its metrics alone; its checkpoints
             # (hundreds of MB per sweep) would only be restored to train further.
