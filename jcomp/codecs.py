@@ -606,8 +606,8 @@ def parse(spec) -> Any:
     if not isinstance(spec, str):
         if hasattr(spec, "encode") and hasattr(spec, "wire_bytes"):
             return spec
-        if getattr(spec, "kind", None) == "lowrank":  # PowerSGD: reduced by jcomp.powersgd
-            return spec
+        if getattr(spec, "kind", None) in ("lowrank", "learned"):
+            return spec  # PowerSGD (jcomp.powersgd), autoencoder (jcomp.autoencoder)
         raise TypeError(f"codec spec must be a string or a codec; got {type(spec).__name__}")
     name, *opts = [part.strip() for part in spec.strip().lower().split(":")]
     plain = {"none": Identity, "bf16": lambda: Cast("bf16", jnp.bfloat16),
@@ -628,6 +628,10 @@ def parse(spec) -> Any:
         from jcomp import powersgd  # it builds on this module and the collectives
 
         return powersgd.parse(spec)
+    if name == "ae":
+        from jcomp import autoencoder
+
+        return autoencoder.parse(spec)
     raise _bad(spec, f"unknown codec {name!r}")
 
 

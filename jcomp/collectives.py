@@ -48,6 +48,19 @@ def _axes(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
+def _parse(codec):
+    """A codec these collectives can send with; the others are refused loudly
+    rather than replaced by an uncompressed collective."""
+    c = _codecs.parse(codec)
+    if c.kind == "lowrank":
+        raise ValueError(f"codec {c} compresses data-parallel gradients through "
+                         "jcomp.powersgd.reduce (or the optimizer), not a collective")
+    if c.kind == "learned":
+        raise ValueError(f"codec {c} is a learned autoencoder whose weights are model "
+                         "parameters; jcomp.parallel applies it inside the model's blocks")
+    return c
+
+
 def _varying(x) -> frozenset:
     return jax.typeof(x).mat.varying
 
@@ -66,8 +79,8 @@ def _bwd_key(key):
 
 
 def _codec_pair(codec, bwd_codec):
-    fwd = _codecs.parse(codec)
-    bwd = fwd if bwd_codec is None else _codecs.parse(bwd_codec)
+    fwd = _parse(codec)
+    bwd = fwd if bwd_codec is None else _parse(bwd_codec)
     return fwd, bwd
 
 
@@ -457,7 +470,7 @@ def copy_to_parallel(x, axis_name, *, bwd_codec="none", key=None):
     gradient of a replicated input is a sum over the axis; this sends it with
     `bwd_codec` instead of the full-precision psum JAX would otherwise insert.
     """
-    bwd = _codecs.parse(bwd_codec)
+    bwd = _parse(bwd_codec)
     axes = _axes(axis_name)
 
     def one(leaf, k):
@@ -571,7 +584,7 @@ def psum_scatter_ef(x, residual, axis_name, *, scatter_dimension=0, tiled=False,
 
 
 def _ef(x, residual, axis_name, codec, key, kernel, exact=None):
-    c = _codecs.parse(codec)
+    c = _parse(codec)
     axes = _axes(axis_name)
     exact = exact or (lambda leaf: lax.psum(leaf, axis_name))
     if c.kind == "identity" or lax.axis_size(axes) == 1:

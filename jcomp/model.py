@@ -34,6 +34,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jcomp import autoencoder
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Block parameter path -> dim split across tensor ranks (None: replicated).
@@ -51,6 +53,11 @@ TENSOR_SHARDED_DIMS = {
     ("mlp_out", "kernel"): 0,
     ("mlp_out_bias",): None,
 }
+# Learned autoencoder weights (jcomp.autoencoder), present only when asked for:
+# replicated over tensor ranks.
+for _sub in ("attn", "mlp"):
+    for _part in ("out_enc", "out_dec", "in_enc", "in_dec"):
+        TENSOR_SHARDED_DIMS[(f"{_sub}_ae_{_part}",)] = None
 
 
 def _identity(x):
@@ -150,6 +157,32 @@ class Block(nn.Module):
     n_layers: int = 1  # output projections start at init_std / sqrt(2 * n_layers)
     tp_enter: Callable = _identity
     tp_exit: Callable = _identity
+    ae_out_dim: int = 0  # learned code width at tp_exit (0: none), see jcomp.autoencoder
+    ae_in_dim: int = 0   # ... at tp_enter
+    ae_init: str = "orthogonal"
+
+    def _ae(self, name, dim):
+        """(enc [D, A], dec [A, D]) parameters of one autoencoder."""
+        pair = lambda key: autoencoder.init_pair(key, self.d_model, dim, self.ae_init)
+        enc = self.param(f"{name}_enc", lambda k: pair(k)[0])
+        # An orthogonal pair starts as a projection: the decoder is the encoder's transpose.
+        dec = self.param(f"{name}_dec",
+                         lambda k: enc.T if self.ae_init == "orthogonal" else pair(k)[1])
+        return enc, dec
+
+    def _enter(self, sub, h_BxLxD):
+        if not self.ae_in_dim:
+            return self.tp_enter(h_BxLxD)
+        enc_DxA, dec_AxD = self._ae(f"{sub}_ae_in", self.ae_in_dim)
+        z_BxLxA = h_BxLxD @ enc_DxA.astype(self.dtype)
+        return self.tp_enter(z_BxLxA) @ dec_AxD.astype(self.dtype)
+
+    def _exit(self, sub, y_BxLxD):
+        if not self.ae_out_dim:
+            return self.tp_exit(y_BxLxD)
+        enc_DxA, dec_AxD = self._ae(f"{sub}_ae_out", self.ae_out_dim)
+        z_BxLxA = y_BxLxD @ enc_DxA.astype(self.dtype)
+        return self.tp_exit(z_BxLxA) @ dec_AxD.astype(self.dtype)
 
     def _ln(self, name, x_BxLxD):
         ln = nn.LayerNorm(epsilon=self.eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
@@ -165,7 +198,7 @@ class Block(nn.Module):
         init = nn.initializers.normal(self.init_std)
         out_init = nn.initializers.normal(self.init_std / math.sqrt(2 * self.n_layers))
 
-        h_BxLxD = self.tp_enter(self._ln("ln1", x_BxLxD))
+        h_BxLxD = self._enter("attn", self._ln("ln1", x_BxLxD))
         qkv_BxLx3xHxK = nn.DenseGeneral((3, H, K), dtype=dt, kernel_init=init, name="qkv")(h_BxLxD)
         q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
         q = rope(q, self.rope_base).astype(dt)
@@ -174,18 +207,22 @@ class Block(nn.Module):
         a_BxLxD = nn.DenseGeneral(
             D, axis=(-2, -1), use_bias=False, dtype=dt, kernel_init=out_init, name="attn_out"
         )(a_BxLxHxK)
-        x_BxLxD = x_BxLxD + self._row_bias("attn_out_bias", self.tp_exit(a_BxLxD))
+        x_BxLxD = x_BxLxD + self._row_bias("attn_out_bias", self._exit("attn", a_BxLxD))
 
-        h_BxLxD = self.tp_enter(self._ln("ln2", x_BxLxD))
+        h_BxLxD = self._enter("mlp", self._ln("ln2", x_BxLxD))
         u_BxLxF = nn.Dense(self.d_ff, dtype=dt, kernel_init=init, name="mlp_in")(h_BxLxD)
         u_BxLxF = nn.gelu(u_BxLxF, approximate=False)
         m_BxLxD = nn.Dense(D, use_bias=False, dtype=dt, kernel_init=out_init, name="mlp_out")(u_BxLxF)
-        return x_BxLxD + self._row_bias("mlp_out_bias", self.tp_exit(m_BxLxD))
+        return x_BxLxD + self._row_bias("mlp_out_bias", self._exit("mlp", m_BxLxD))
 
 
-def make_block(cfg: ModelConfig, n_heads=None, d_ff=None, tp_enter=_identity, tp_exit=_identity):
+def make_block(cfg: ModelConfig, n_heads=None, d_ff=None, tp_enter=_identity, tp_exit=_identity,
+               ae_out_dim=0, ae_in_dim=0, ae_init="orthogonal"):
     """A Block for `cfg`; n_heads/d_ff default to the full (unsharded) sizes."""
     return Block(
+        ae_out_dim=ae_out_dim,
+        ae_in_dim=ae_in_dim,
+        ae_init=ae_init,
         n_heads=cfg.n_heads if n_heads is None else n_heads,
         head_dim=cfg.head_dim,
         d_ff=cfg.d_ff if d_ff is None else d_ff,
@@ -204,14 +241,20 @@ def _final_ln(cfg: ModelConfig):
     return nn.LayerNorm(epsilon=cfg.ln_eps, dtype=jnp.float32, param_dtype=jnp.float32)
 
 
-def init_params(cfg: ModelConfig, key) -> dict:
+def init_params(cfg: ModelConfig, key, ae_out_dim: int = 0, ae_in_dim: int = 0,
+                ae_init: str = "orthogonal") -> dict:
     """Float32 parameters with full (unsharded) shapes.
 
     {"embed": [V, D], "layers": Block params each with a leading [N] axis,
      "final_ln": {"scale": [D], "bias": [D]}, "head": [V, D] only if untied}.
+    ae_out_dim / ae_in_dim > 0 add learned autoencoder weights to every block
+    (`jcomp.autoencoder.dims(policy)` gives them for a policy).
     """
+    for name, dim in (("ae_out_dim", ae_out_dim), ("ae_in_dim", ae_in_dim)):
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim <= cfg.d_model:
+            raise ValueError(f"{name} must be an int in [0, d_model={cfg.d_model}]; got {dim!r}")
     k_embed, k_layers, k_head = jax.random.split(key, 3)
-    block = make_block(cfg)
+    block = make_block(cfg, ae_out_dim=ae_out_dim, ae_in_dim=ae_in_dim, ae_init=ae_init)
     x_1x1xD = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
     init_layer = lambda k: block.init(k, x_1x1xD)["params"]
     normal_VxD = nn.initializers.normal(cfg.init_std)
@@ -238,12 +281,14 @@ def embed(params_embed_VxD, tokens_BxL, dtype):
 
 
 def apply_layers(params_layers, x_BxLxD, cfg: ModelConfig, tp_enter=_identity, tp_exit=_identity,
-                 remat: bool = False):
+                 remat: bool = False, use_ae=("out", "in")):
     """Runs the stacked layers (leading axis = layers held) over x_BxLxD.
 
     The number of layers, heads and hidden units come from the parameter
     shapes, so a pipeline stage's layers or a tensor rank's slice work as is.
     `remat` recomputes each layer's activations in the backward pass.
+    `use_ae` names the autoencoders present in the parameters that run ("out",
+    "in"); the others are skipped (a compression schedule before their start).
     """
     if x_BxLxD.ndim != 3 or x_BxLxD.shape[-1] != cfg.d_model:
         raise ValueError(f"x must have shape [B, L, d_model={cfg.d_model}]; got {x_BxLxD.shape}")
@@ -251,7 +296,9 @@ def apply_layers(params_layers, x_BxLxD, cfg: ModelConfig, tp_enter=_identity, t
         raise ValueError(f"sequence length {x_BxLxD.shape[1]} exceeds max_seq_len={cfg.max_seq_len}")
     n_heads_local = params_layers["qkv"]["kernel"].shape[3]
     d_ff_local = params_layers["mlp_in"]["kernel"].shape[2]
-    block = make_block(cfg, n_heads_local, d_ff_local, tp_enter, tp_exit)
+    ae = {f"ae_{part}_dim": params_layers[f"attn_ae_{part}_enc"].shape[-1]
+          for part in ("out", "in") if f"attn_ae_{part}_enc" in params_layers and part in use_ae}
+    block = make_block(cfg, n_heads_local, d_ff_local, tp_enter, tp_exit, **ae)
 
     def layer(x, params_layer):
         return block.apply({"params": params_layer}, x), None

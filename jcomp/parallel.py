@@ -41,6 +41,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jcomp import autoencoder
 from jcomp import collectives as cc
 from jcomp import model as gpt
 
@@ -114,7 +115,7 @@ def embed_lookup(embed_VtxD, tokens_BxL, dtype, pol):
     mine_BxL = (local_BxL >= 0) & (local_BxL < v_local)
     rows_BxLxD = gpt.embed(embed_VtxD, jnp.where(mine_BxL, local_BxL, 0), jnp.float32)
     part_BxLxD = jnp.where(mine_BxL[..., None], rows_BxLxD, 0.0).astype(dtype)
-    return cc.psum(part_BxLxD, TENSOR, codec=pol[TENSOR, "act"])
+    return cc.psum(part_BxLxD, TENSOR, codec=autoencoder.rest_codec(pol[TENSOR, "act"]))
 
 
 def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, pol):
@@ -122,7 +123,7 @@ def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, pol):
     final_ln = gpt._final_ln(cfg)
     h_BxLxD = final_ln.apply({"params": params["final_ln"]}, h_BxLxD.astype(jnp.float32))
     h_BxLxD = cc.copy_to_parallel(h_BxLxD.astype(cfg.compute_dtype), TENSOR,
-                                  bwd_codec=pol[TENSOR, "act_grad"])
+                                  bwd_codec=autoencoder.rest_codec(pol[TENSOR, "act_grad"]))
     w_VtxD = params["embed"] if cfg.tie_embeddings else params["head"]
     logits_BxLxVt = jnp.einsum("bld,vd->blv", h_BxLxD, w_VtxD.astype(cfg.compute_dtype),
                                preferred_element_type=jnp.float32)
@@ -141,9 +142,12 @@ def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, pol):
 
 
 def _tp_hooks(pol):
+    # With a learned autoencoder the Block codes the message itself (jcomp.autoencoder)
+    # and the collective moves the code as it is.
+    plain = lambda c: "none" if getattr(c, "kind", None) == "learned" else c
     enter = functools.partial(cc.copy_to_parallel, axis_name=TENSOR,
-                              bwd_codec=pol[TENSOR, "act_grad"])
-    leave = functools.partial(cc.psum, axis_name=TENSOR, codec=pol[TENSOR, "act"])
+                              bwd_codec=plain(pol[TENSOR, "act_grad"]))
+    leave = functools.partial(cc.psum, axis_name=TENSOR, codec=plain(pol[TENSOR, "act"]))
     return enter, leave
 
 
@@ -157,8 +161,10 @@ def pipeline_forward(layers, x0_MxbxLxD, cfg, pol, remat):
     stage = lax.axis_index(PIPE)
     n_micro = x0_MxbxLxD.shape[0]
     enter, leave = _tp_hooks(pol)
+    learned = lambda kind: getattr(pol[TENSOR, kind], "kind", None) == "learned"
+    use_ae = tuple(part for part, kind in (("out", "act"), ("in", "act_grad")) if learned(kind))
     run_stage = functools.partial(gpt.apply_layers, layers, cfg=cfg, tp_enter=enter,
-                                  tp_exit=leave, remat=remat)
+                                  tp_exit=leave, remat=remat, use_ae=use_ae)
     shift = [(i, i + 1) for i in range(n_stages - 1)]
     x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE, bwd_codec=pol[PIPE, "act_grad"])
 
@@ -205,7 +211,23 @@ def local_value_and_grad(params, batch_bxL1, cfg, pol, microbatches, remat=False
     """-> (this rank's loss, this rank's gradients). Gradients vary over 'data':
     no reduction over data has happened yet."""
     params_v = jax.tree.map(lambda x: cc.vary(x, (DATA,)), params)
-    return jax.value_and_grad(local_loss)(params_v, batch_bxL1, cfg, pol, microbatches, remat)
+    # Autoencoder weights that multiply rank-varying values are marked varying over
+    # tensor here, so their gradients come out per rank and are summed once per step
+    # below (policy[tensor, grad]) instead of by an implicit float32 psum per use.
+    in_use = [f"_ae_{part}_" for part, kind in (("out", "act"), ("in", "act_grad"))
+              if getattr(pol[TENSOR, kind], "kind", None) == "learned"]
+    ae_names = [n for n in autoencoder.VARYING_OVER_TENSOR
+                if n in params["layers"] and any(u in n for u in in_use)]
+    layers = dict(params_v["layers"])
+    for n in ae_names:
+        layers[n] = cc.vary(layers[n], (TENSOR,))
+    params_v = {**params_v, "layers": layers}
+    loss, grads = jax.value_and_grad(local_loss)(params_v, batch_bxL1, cfg, pol, microbatches,
+                                                 remat)
+    if ae_names:
+        summed = cc.psum([grads["layers"][n] for n in ae_names], TENSOR, codec=pol[TENSOR, "grad"])
+        grads = {**grads, "layers": {**grads["layers"], **dict(zip(ae_names, summed))}}
+    return loss, grads
 
 
 def reduce_grads(grads, pol, key=None):

@@ -61,6 +61,11 @@ class Policy:
             if getattr(codec, "kind", None) == "lowrank" and (axis, kind) != ("data", "grad"):
                 raise ValueError(f"policy override {key!r}: {codec} compresses data-parallel "
                                  "gradients only (data.grad)")
+            if getattr(codec, "kind", None) == "learned" and (axis, kind) not in (
+                    ("tensor", "act"), ("tensor", "act_grad")):
+                raise ValueError(f"policy override {key!r}: the learned autoencoder {codec} "
+                                 "codes tensor-parallel activations only (tensor.act, "
+                                 "tensor.act_grad)")
             entries[axis, kind] = codec
         return Policy(_freeze(entries), self.error_feedback)
 

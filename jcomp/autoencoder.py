@@ -1,0 +1,137 @@
+"""A learned linear autoencoder for tensor-parallel activations (Bian et al.,
+MLSys 2024): `ae:dim=A` in policy[tensor, act] and/or policy[tensor, act_grad].
+
+Its weights are model parameters, trained with the model and saved in
+checkpoints; the collectives only ever see the encoded width A instead of
+d_model D. Per layer and per sub-block (attention, MLP):
+
+  act       y = psum_T(y_i E) Dec      y_i: rank i's row-parallel partial sum
+            E [D, A], Dec [A, D]. The all-reduce runs on [.., A]; linear codes
+            sum correctly, so this equals (sum_i y_i) E Dec. Its backward
+            moves nothing over tensor.
+  act_grad  h = copy(x E') Dec'        before each column-parallel matmul
+            Forward the code is computed on the replicated input (no traffic);
+            backward the all-reduce of the input gradient runs on the [.., A]
+            gradient of the code. The price is a rank-A bottleneck on the
+            input of attention and MLP.
+
+Parameter names in a Block: `{attn,mlp}_ae_out_{enc,dec}` (act) and
+`{attn,mlp}_ae_in_{enc,dec}` (act_grad). `ae_out_enc` multiplies a
+rank-varying partial sum and `ae_in_dec` a rank-varying copy, so their
+gradients differ per tensor rank; `jcomp.parallel` sums them once per step over
+tensor with policy[tensor, grad] (`VARYING_OVER_TENSOR`).
+
+Options: `init=orthogonal` (default; E has orthonormal columns, Dec = E^T, so
+E Dec starts as a projection) or `init=normal` (independent N(0, 1/D) and
+N(0, 1/A) entries); `rest=CODEC` codes the tensor collectives outside the
+blocks (the vocab-parallel embedding sum and the loss's entry), which have no
+autoencoder: `none` by default, a plain codec name (bf16, fp16, fp8, int8,
+int4, int2) otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+VALID_FORM = ("ae:dim=A[:init=orthogonal|normal][:rest=CODEC] (A an int >= 1; CODEC one of "
+              "none, bf16, fp16, fp8, int8, int4, int2)")
+INITS = ("orthogonal", "normal")
+RESTS = ("none", "bf16", "fp16", "fp8", "int8", "int4", "int2")
+SUBBLOCKS = ("attn", "mlp")
+# The Block parameters whose gradient differs per tensor rank (see the docstring).
+VARYING_OVER_TENSOR = tuple(f"{s}_ae_{p}" for s in SUBBLOCKS for p in ("out_enc", "in_dec"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Autoencoder:
+    dim: int
+    init: str = "orthogonal"
+    rest: str = "none"
+    name = "ae"
+    kind = "learned"
+    needs_key = False
+    row_multiple = 1
+
+    def __post_init__(self):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
+            raise ValueError(f"ae dim must be an int >= 1; got {self.dim!r}")
+        if self.init not in INITS:
+            raise ValueError(f"ae init must be one of {', '.join(INITS)}; got {self.init!r}")
+        if self.rest not in RESTS:
+            raise ValueError(f"ae rest must be one of {', '.join(RESTS)}; got {self.rest!r}")
+
+    def __str__(self):
+        out = f"ae:dim={self.dim}"
+        if self.init != "orthogonal":
+            out += f":init={self.init}"
+        if self.rest != "none":
+            out += f":rest={self.rest}"
+        return out
+
+
+def _bad(spec, why) -> ValueError:
+    return ValueError(f"invalid autoencoder spec {spec!r}: {why}; expected {VALID_FORM}")
+
+
+def parse(spec) -> Autoencoder:
+    """Reads "ae:dim=A[:init=...][:rest=...]" (case-insensitive)."""
+    if isinstance(spec, Autoencoder):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"autoencoder spec must be a string; got {type(spec).__name__}")
+    name, *opts = [p.strip() for p in spec.strip().lower().split(":")]
+    if name != "ae":
+        raise _bad(spec, f"it must start with 'ae', not {name!r}")
+    fields = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if key not in ("dim", "init", "rest") or not eq:
+            raise _bad(spec, f"unknown option {opt!r}")
+        if key in fields:
+            raise _bad(spec, f"option {key!r} given twice")
+        fields[key] = value
+    if "dim" not in fields:
+        raise _bad(spec, "dim is missing")
+    try:
+        fields["dim"] = int(fields["dim"])
+    except ValueError:
+        raise _bad(spec, f"dim must be an int >= 1, got {fields['dim']!r}") from None
+    try:
+        return Autoencoder(**fields)
+    except ValueError as e:
+        raise _bad(spec, str(e)) from None
+
+
+def dims(pol) -> dict:
+    """Block sizes a policy asks for: {"out_dim": A or 0, "in_dim": A or 0,
+    "init": ...} from policy[tensor, act] and policy[tensor, act_grad]."""
+    out, inn = pol["tensor", "act"], pol["tensor", "act_grad"]
+    learned = [c for c in (out, inn) if getattr(c, "kind", None) == "learned"]
+    if len({c.init for c in learned}) > 1:
+        raise ValueError("tensor.act and tensor.act_grad autoencoders must use the same init; "
+                         f"got {out} and {inn}")
+    return {"out_dim": out.dim if out in learned else 0,
+            "in_dim": inn.dim if inn in learned else 0,
+            "init": learned[0].init if learned else "orthogonal"}
+
+
+def rest_codec(codec):
+    """The codec for tensor collectives outside the blocks: `rest` of an
+    autoencoder, the codec itself otherwise."""
+    return codec.rest if getattr(codec, "kind", None) == "learned" else codec
+
+
+def init_pair(key, d_model: int, dim: int, init: str):
+    """(enc [D, A], dec [A, D]) float32."""
+    if dim > d_model:
+        raise ValueError(f"ae dim={dim} must not exceed model.d_model={d_model}: it would "
+                         "send more than the activations it codes")
+    if init == "orthogonal":
+        enc_DxA = jax.nn.initializers.orthogonal()(key, (d_model, dim), jnp.float32)
+        return enc_DxA, enc_DxA.T
+    k1, k2 = jax.random.split(key)
+    enc_DxA = jax.random.normal(k1, (d_model, dim), jnp.float32) / jnp.sqrt(d_model)
+    dec_AxD = jax.random.normal(k2, (dim, d_model), jnp.float32) / jnp.sqrt(dim)
+    return enc_DxA, dec_AxD
