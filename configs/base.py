@@ -39,9 +39,15 @@ def get_config():
     c.compression = ml_collections.ConfigDict(dict(
         policy="baseline",
         error_feedback="auto",  # "auto" (the preset's), "on", "off"
-        warmup_steps=0))        # steps sent uncompressed before the policy applies
+        warmup_steps=0))        # "@N" on every entry without a schedule below
+    # Per-(axis, kind) schedule: "CODEC@STEP,..." with increasing steps, uncompressed
+    # before the first; a bare "@STEP" starts the policy's codec ("" = from step 0).
+    # E.g. schedule.data.grad="bf16@0,int8@200,int4@1000". See jcomp/schedule.py.
+    c.compression.schedule = ml_collections.ConfigDict()
     for axis in ("data", "tensor", "pipeline"):
         c.compression[axis] = ml_collections.ConfigDict(
+            dict(grad="", param="", act="", act_grad=""))
+        c.compression.schedule[axis] = ml_collections.ConfigDict(
             dict(grad="", param="", act="", act_grad=""))
 
     c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3))

@@ -65,6 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from jcomp import codecs
 from jcomp import collectives as cc
+from jcomp import policy as policy_lib
 from jcomp import powersgd
 
 SHARD_AXES = ("tensor", "pipeline")  # the axes working params may be split over
@@ -402,8 +403,24 @@ def _check_args(stage, clip_norm, compress):
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(f"stage must be 1 (all-reduce) or 2 (reduce-scatter); got {stage!r}")
     _check("clip_norm", _number("clip_norm", clip_norm), clip_norm >= 0, ">= 0 (0 disables)")
-    if not isinstance(compress, bool):
-        raise TypeError(f"compress must be a Python bool; got {compress!r}")
+    if not isinstance(compress, (bool, policy_lib.Policy)):
+        raise TypeError(f"compress must be a Python bool or a policy.Policy; got {compress!r}")
+
+
+def sent_policy(policy, compress) -> policy_lib.Policy:
+    """The codecs a step sends: `policy`'s (compress=True), none (False), or the
+    phase policy `compress` itself (on `policy`'s state layout)."""
+    if isinstance(compress, policy_lib.Policy):
+        return compress
+    return policy if compress else policy_lib.uniform("none")
+
+
+def _check_phase(policy, sent):
+    """A phase may drop PowerSGD but not bring in another one: Q's shape is the layout's."""
+    spec = sent["data", "grad"]
+    if isinstance(spec, powersgd.PowerSGD) and spec != _powersgd(policy):
+        raise ValueError(f"compress: data.grad={spec} needs the PowerSGD state of that codec; "
+                         f"the layout policy has data.grad={policy['data', 'grad']}")
 
 
 def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip_norm=0.0,
@@ -415,9 +432,12 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     params:  local working params (shapes and dtypes of the result).
     zstate:  local blocks of the state dict (see the module docstring).
     stage:   1 = all-reduce then slice, 2 = reduce-scatter (ValueError with PowerSGD).
-    compress=False sends with codec "none" on the same state layout (a second
-    compiled variant, e.g. for warm-up). `key` (folded with `step` when given)
-    feeds codecs that draw randomness.
+    policy:  decides the state layout (residuals, PowerSGD Q, shard padding).
+    compress: True sends `policy`'s codecs; False sends data.grad and data.param
+             with codec "none"; a Policy (a phase of `jcomp.schedule`) sends its
+             data.grad/data.param codecs on `policy`'s layout. Residuals pass a
+             lossless phase exactly; a phase without PowerSGD leaves Q as it was.
+    `key` (folded with `step` when given) feeds codecs that draw randomness.
     -> (new params invariant over 'data', new zstate,
         {"grad_norm": global pre-clip norm of the mean gradient,
          "ef_norm": global norm of the new residuals (each rank's, in summed-
@@ -433,8 +453,9 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     if psgd is not None and stage != 1:
         raise ValueError("powersgd works with optim.zero_stage=1: its factors are all-reduced, "
                          f"not reduce-scattered; got stage={stage} with data.grad={psgd}")
-    g_codec = policy["data", "grad"] if compress else "none"
-    param_codec = policy["data", "param"] if compress else "none"
+    sent = sent_policy(policy, compress)
+    _check_phase(policy, sent)
+    g_codec, param_codec = sent["data", "grad"], sent["data", "param"]
     if key is not None and step is not None:
         key = jax.random.fold_in(key, step)
     k_grad, k_param = (None, None) if key is None else tuple(jax.random.split(key))
@@ -447,7 +468,7 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     res_leaves = treedef.flatten_up_to(zstate["ef"]) if ef_on else None
     res = [r.reshape(-1) for r in res_leaves] if ef_on else None
     new_qs = None
-    if psgd is not None and compress:
+    if isinstance(g_codec, powersgd.PowerSGD):
         q_leaves = treedef.flatten_up_to(zstate["psgd_q"])
         own, new_qs, new_res = _reduce_lowrank(flats, p_leaves, q_leaves, res, psgd, k_grad)
     else:
@@ -467,7 +488,7 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     new_params = _gather_params(treedef.flatten_up_to(new_master), p_leaves, param_codec, k_param)
 
     new_state = {"master": new_master, "opt": new_opt}
-    if psgd is not None:  # compress=False leaves Q as it was
+    if psgd is not None:
         new_state["psgd_q"] = (zstate["psgd_q"] if new_qs is None
                                else jax.tree.unflatten(treedef, new_qs))
     stats = {"grad_norm": grad_norm}

@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp import optimizer, parallel
-from jcomp import policy as policy_lib
 
 DATA = parallel.DATA
 
@@ -56,10 +55,11 @@ def make_train_step(model_cfg, mesh, pol, tx, params_shapes, *, microbatches, ze
                     clip_norm, remat=False, compress=True):
     """A jitted fn(state, batch [B, L+1] int32) -> (state, metrics).
 
-    `compress=False` builds the warm-up variant: the same state layout, every
-    collective uncompressed.
+    `pol` lays out the state. `compress` picks what every collective sends:
+    True `pol`'s codecs, False none at all, a Policy (a phase of a
+    `jcomp.schedule`) its own codecs, on `pol`'s state layout.
     """
-    act_pol = pol if compress else policy_lib.uniform("none")
+    act_pol = optimizer.sent_policy(pol, compress)
     specs = parallel.param_specs(params_shapes)
     sspecs = state_specs(specs, tx, pol)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -35,11 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jcomp import checkpoint, data, optimizer, parallel, step, wire
+from jcomp import autoencoder, checkpoint, data, optimizer, parallel, step, wire
 from jcomp import mesh as mesh_lib
 from jcomp import metrics as metrics_lib
 from jcomp import model as gpt
 from jcomp import policy as policy_lib
+from jcomp import schedule as schedule_lib
 
 _log = logging.getLogger(__name__)
 
@@ -91,6 +93,19 @@ def build_policy(comp) -> policy_lib.Policy:
         raise UsageError(f"compression: {e}") from None
 
 
+def build_phases(comp) -> list:
+    """config.compression -> [(first step, policy in force)] from step 0 (see
+    `jcomp.schedule`); the last one lays out the train state."""
+    base = build_policy(comp)
+    specs = {f"{a}.{k}": comp.schedule[a][k] for a in policy_lib.AXES for k in policy_lib.KINDS}
+    try:
+        sched = schedule_lib.parse(specs, base=base, warmup_steps=comp.warmup_steps,
+                                   prefix="compression.")
+        return schedule_lib.phases(base, sched)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
 def _model_config(cfg) -> gpt.ModelConfig:
     try:
         return gpt.ModelConfig(**cfg.model.to_dict())
@@ -99,7 +114,8 @@ def _model_config(cfg) -> gpt.ModelConfig:
 
 
 def validate(cfg, n_devices: int):
-    """Checks the whole config before anything runs. -> (model cfg, mesh shape, policy)."""
+    """Checks the whole config before anything runs. -> (model cfg, mesh shape, policy
+    the train state is laid out for: the last phase of the compression schedule)."""
     model_cfg = _model_config(cfg)
     try:
         shape = mesh_lib.resolve_shape(cfg.mesh.to_dict(), n_devices)
@@ -132,10 +148,18 @@ def validate(cfg, n_devices: int):
     if cfg.train.batch_size % jax.process_count():
         raise UsageError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
                          f"{jax.process_count()} processes")
-    pol = build_policy(cfg.compression)
+    pol = build_phases(cfg.compression)[-1][1]
     if getattr(pol["data", "grad"], "kind", None) == "lowrank" and cfg.optim.zero_stage != 1:
         raise UsageError("compression.data.grad=powersgd needs optim.zero_stage=1: its "
                          "factors are all-reduced, not reduce-scattered")
+    try:
+        ae = autoencoder.dims(pol)
+    except ValueError as e:
+        raise UsageError(f"compression.tensor: {e}") from None
+    for kind, dim in (("act", ae["out_dim"]), ("act_grad", ae["in_dim"])):
+        if dim > model_cfg.d_model:
+            raise UsageError(f"compression.tensor.{kind}: ae dim={dim} exceeds "
+                             f"model.d_model={model_cfg.d_model}")
     return model_cfg, shape, pol
 
 
@@ -261,7 +285,11 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
     tx = make_tx(cfg)
     corpus, train_ds, val = load_data(cfg, model_cfg)
     mesh = mesh_lib.make_mesh(shape)
-    shapes = jax.eval_shape(lambda: gpt.init_params(model_cfg, jax.random.key(cfg.seed)))
+    ae_dims = autoencoder.dims(pol)
+    init_params = functools.partial(gpt.init_params, model_cfg, jax.random.key(cfg.seed),
+                                    ae_out_dim=ae_dims["out_dim"], ae_in_dim=ae_dims["in_dim"],
+                                    ae_init=ae_dims["init"])
+    shapes = jax.eval_shape(init_params)
     fingerprint = _fingerprint(cfg, model_cfg, shape, pol)
 
     ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
@@ -290,21 +318,29 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         train_ds.restore(meta["data"])
         _log.info("resumed from %s at step %d", ckpt.step_path(start), start)
     else:
-        params = gpt.init_params(model_cfg, jax.random.key(cfg.seed))
+        params = init_params()
         state, start = step.init_state(params, mesh, tx, pol), 0
 
     common = dict(microbatches=cfg.train.microbatches, zero_stage=cfg.optim.zero_stage,
                   clip_norm=float(cfg.optim.clip_norm), remat=cfg.train.remat)
-    compiled = {}
+    phases = build_phases(cfg.compression)
+    compiled, evals = {}, {}
 
-    def compiled_step(compress: bool, state, batch):
-        if compress not in compiled:
-            fn = step.make_train_step(model_cfg, mesh, pol, tx, shapes, compress=compress, **common)
+    def compiled_step(phase, state, batch):
+        # Compiled when first reached: a phase the run never gets to costs nothing.
+        if phase not in compiled:
+            fn = step.make_train_step(model_cfg, mesh, pol, tx, shapes, compress=phase, **common)
             exe = fn.lower(state, batch).compile()
-            compiled[compress] = (exe, wire.measure_compiled(exe, mesh))
-        return compiled[compress]
+            compiled[phase] = (exe, wire.measure_compiled(exe, mesh))
+        return compiled[phase]
 
-    eval_fn = step.make_eval_step(model_cfg, mesh, pol, shapes, microbatches=cfg.train.microbatches)
+    def val_loss(phase, params):
+        if phase not in evals:
+            evals[phase] = step.make_eval_step(model_cfg, mesh, phase, shapes,
+                                               microbatches=cfg.train.microbatches)
+        return float(np.mean([float(evals[phase](params, _global_batch(
+            mesh, b, cfg.train.batch_size))) for b in val]))
+
     writer = metrics_lib.MetricsWriter(os.path.join(workdir, "metrics.jsonl")) \
         if jax.process_index() == 0 else None
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
@@ -318,8 +354,8 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
             if hooks.get("JCOMP_TEST_NAN_STEP") == i + 1:
                 rows = _nan_batch(rows, model_cfg.vocab_size)
             batch = _global_batch(mesh, rows, cfg.train.batch_size)
-            compress = i >= cfg.compression.warmup_steps
-            exe, report = compiled_step(compress, state, batch)
+            phase = schedule_lib.phase_at(phases, i)
+            exe, report = compiled_step(phase, state, batch)
             t0 = time.perf_counter()
             state, m = exe(state, batch)
             # Waiting on every step also keeps emulated CPU devices from deadlocking.
@@ -333,7 +369,8 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
                 _log.warning("%s: update skipped", msg)
             record = {"step": done, "loss": loss, "grad_norm": float(m["grad_norm"]),
                       "lr": float(lr_at(i)), "step_time_s": dt,
-                      "tokens_per_s": tokens_per_step / dt, "compressed": compress,
+                      "tokens_per_s": tokens_per_step / dt,
+                      "compressed": schedule_lib.is_compressed(phase),
                       "skipped_updates": int(state["skipped"])}
             if "ef_norm" in m:
                 record["ef_norm"] = float(m["ef_norm"])
@@ -343,12 +380,16 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
                     _log.warning("step %d: error-feedback residual norm %.4g exceeds "
                                  "train.ef_reset_norm=%g: residuals reset to zero",
                                  done, record["ef_norm"], cfg.train.ef_reset_norm)
-            if logged_variant != compress:
-                logged_variant = compress
+            if logged_variant != phase:
                 record.update(_static_metrics(report, state))
+                record["compression"] = schedule_lib.describe(phase)
+                if logged_variant is not None:
+                    record["compression_changes"] = schedule_lib.changes(logged_variant, phase)
+                    _log.info("step %d: compression schedule: %s", done,
+                              record["compression_changes"])
+                logged_variant = phase
             if val and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
-                record["val_loss"] = float(np.mean([float(eval_fn(
-                    state["params"], _global_batch(mesh, b, cfg.train.batch_size))) for b in val]))
+                record["val_loss"] = val_loss(phase, state["params"])
             if writer and (done % cfg.train.log_every == 0 or "val_loss" in record
                            or done == cfg.train.steps or "wire_bytes_total" in record
                            or "ef_reset" in record):

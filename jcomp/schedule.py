@@ -1,0 +1,196 @@
+"""When each (axis, kind) entry of a compression policy starts compressing, and
+with which codec, as training goes on.
+
+    sched = schedule.parse({"data.grad": "bf16@0,int8@200,int4@1000", "tensor.act": "@500"})
+    schedule.policy_at(base, sched, 300)   # data.grad=int8, tensor.act="none", rest as base
+    schedule.phases(base, sched)           # [(0, policy), (200, ...), (500, ...), (1000, ...)]
+
+An entry's spec is comma-separated items `CODEC@STEP` or `@STEP` with strictly
+increasing steps; an item applies from its step (0-based: the step index of the
+training loop) up to the next item's. Before the first item the entry sends
+uncompressed ("none"); a bare `@STEP` stands for the base policy's codec, so
+`@N` alone is a start step. Entries without a spec keep the base codec from
+step 0. `warmup_steps=W` is shorthand for `@W` on every entry without a spec;
+an entry's own spec may then not start before W.
+
+The train state is laid out once, for the final policy (`final_policy`): the
+last codec of data.grad decides whether error-feedback residuals (and PowerSGD
+factors) exist, data.grad and data.param decide the shard padding. Earlier
+phases send their own codecs on that layout: a lossless phase passes the
+residuals through exactly, a lossy data.grad phase without residuals in the
+layout runs without error feedback, and a codec whose block does not divide
+the padding pads its rows. Codecs with state of their own shape (PowerSGD's
+right factor and residual, a learned autoencoder's weights) may only be their
+entry's single item (`powersgd:...@N`, or `@N` on such a base): every phase
+before it is then uncompressed, and no phase needs state of another shape.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import numbers
+from typing import Mapping
+
+from jcomp import codecs
+from jcomp import policy as policy_lib
+
+LOWRANK_ENTRY = ("data", "grad")
+STATEFUL_KINDS = ("lowrank", "learned")  # codec kinds that own train state
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Scheduled entries only: ((axis, kind, ((step, codec or None), ...)), ...),
+    in policy table order; None stands for the base policy's codec."""
+
+    entries: tuple = ()
+
+    def __str__(self):
+        items = lambda its: ",".join(f"{'' if c is None else c}@{s}" for s, c in its)
+        return "; ".join(f"{a}.{k}={items(its)}" for a, k, its in self.entries) or "(none)"
+
+
+def _step(value, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{field} must be an int; got {value!r}")
+    if value < 0:
+        raise ValueError(f"{field} must be >= 0; got {value}")
+    return int(value)
+
+
+def _parse_entry(spec: str, field: str) -> tuple:
+    """"int8@100,int4@500" -> ((100, IntQuant), (500, IntQuant)); "@7" -> ((7, None),)."""
+    if not isinstance(spec, str):
+        raise TypeError(f"{field} must be a string of CODEC@STEP items; got {spec!r}")
+    items = []
+    for raw in spec.split(","):
+        text = raw.strip()
+        name, at, step_text = text.rpartition("@")
+        if not at:
+            raise ValueError(f"{field}={spec!r}: item {text!r} is not CODEC@STEP or @STEP "
+                             "(e.g. 'int8@100,int4@500' or '@100')")
+        try:
+            step = int(step_text.strip())
+        except ValueError:
+            raise ValueError(f"{field}={spec!r}: step {step_text!r} of item {text!r} is not "
+                             "an integer") from None
+        if step < 0:
+            raise ValueError(f"{field}={spec!r}: step {step} must be >= 0")
+        if items and step <= items[-1][0]:
+            raise ValueError(f"{field}={spec!r}: steps must strictly increase; {step} comes "
+                             f"after {items[-1][0]}")
+        try:
+            codec = codecs.parse(name) if name.strip() else None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{field}={spec!r}: {e}") from None
+        items.append((step, codec))
+    return tuple(items)
+
+
+def _check_stateful(axis, kind, items, base, field, spec):
+    resolved = [base[axis, kind] if c is None and base is not None else c for _, c in items]
+    if any(getattr(c, "kind", None) == "lowrank" for c in resolved) and \
+            (axis, kind) != LOWRANK_ENTRY:
+        raise ValueError(f"{field}={spec!r}: powersgd compresses data-parallel gradients only "
+                         "(data.grad)")
+    stateful = [c for c in resolved if getattr(c, "kind", None) in STATEFUL_KINDS]
+    if stateful and len(items) > 1:
+        raise ValueError(f"{field}={spec!r}: {stateful[0]} must be the only item (CODEC@N or "
+                         "@N): the train state it keeps cannot serve another codec's phases")
+
+
+def parse(specs: Mapping[str, str], *, base: policy_lib.Policy | None = None,
+          warmup_steps: int = 0, prefix: str = "") -> Schedule:
+    """{"axis.kind": "CODEC@STEP,..."} -> Schedule; empty specs are unscheduled.
+
+    `base`, when given, is checked against the schedule (a bare @N on a PowerSGD
+    base follows the PowerSGD rules). Errors name `{prefix}schedule.axis.kind`
+    or `{prefix}warmup_steps`: ValueError for bad values, TypeError for bad types.
+    """
+    if not isinstance(specs, Mapping):
+        raise TypeError(f"{prefix}schedule must be a mapping of 'axis.kind' to a spec; "
+                        f"got {type(specs).__name__}")
+    warmup = _step(warmup_steps, f"{prefix}warmup_steps")
+    parsed = {}
+    for key, spec in specs.items():
+        field = f"{prefix}schedule.{key}"
+        axis, _, kind = str(key).partition(".")
+        if (axis, kind) not in [(a, k) for a in policy_lib.AXES for k in policy_lib.KINDS]:
+            raise ValueError(f"{field}: unknown entry; allowed: axis.kind with axis in "
+                             f"{', '.join(policy_lib.AXES)} and kind in "
+                             f"{', '.join(policy_lib.KINDS)}")
+        if isinstance(spec, str) and not spec.strip():
+            continue
+        items = _parse_entry(spec, field)
+        _check_stateful(axis, kind, items, base, field, spec)
+        if items[0][0] < warmup:
+            raise ValueError(f"{field}={spec!r} starts at step {items[0][0]}, inside "
+                             f"{prefix}warmup_steps={warmup}; start it at {warmup} or later, "
+                             "or drop warmup_steps and give every entry its own start")
+        parsed[axis, kind] = items
+    entries = []
+    for axis in policy_lib.AXES:
+        for kind in policy_lib.KINDS:
+            if (axis, kind) in parsed:
+                entries.append((axis, kind, parsed[axis, kind]))
+            elif warmup:
+                entries.append((axis, kind, ((warmup, None),)))
+    return Schedule(tuple(entries))
+
+
+def policy_at(base: policy_lib.Policy, sched: Schedule, step: int) -> policy_lib.Policy:
+    """The policy in force at (0-based) training step `step`."""
+    step = _step(step, "step")
+    overrides = {}
+    for axis, kind, items in sched.entries:
+        k = bisect.bisect_right([s for s, _ in items], step) - 1
+        codec = "none" if k < 0 else items[k][1]
+        overrides[f"{axis}.{kind}"] = base[axis, kind] if codec is None else codec
+    return base.replace(overrides)
+
+
+def change_steps(sched: Schedule) -> list[int]:
+    """Sorted steps > 0 at which some entry switches codec."""
+    return sorted({s for _, _, items in sched.entries for s, _ in items if s > 0})
+
+
+def final_policy(base: policy_lib.Policy, sched: Schedule) -> policy_lib.Policy:
+    """The policy from the last change on: the one the train state is laid out for."""
+    return policy_at(base, sched, (change_steps(sched) or [0])[-1])
+
+
+def phases(base: policy_lib.Policy, sched: Schedule) -> list[tuple[int, policy_lib.Policy]]:
+    """[(first step, policy)] from step 0, one per change of the policy in force."""
+    out = [(0, policy_at(base, sched, 0))]
+    for s in change_steps(sched):
+        pol = policy_at(base, sched, s)
+        if pol != out[-1][1]:
+            out.append((s, pol))
+    return out
+
+
+def phase_at(phase_list, step: int) -> policy_lib.Policy:
+    """The policy of `phases(...)` in force at `step`."""
+    return phase_list[bisect.bisect_right([s for s, _ in phase_list], step) - 1][1]
+
+
+def _codec_name(codec) -> str:
+    return str(codecs.parse(codec))
+
+
+def is_compressed(pol: policy_lib.Policy) -> bool:
+    """Whether any entry sends something other than the raw array."""
+    return any(codecs.parse(c).kind != "identity" for _, _, c in pol.table)
+
+
+def describe(pol: policy_lib.Policy) -> str:
+    """The compressed entries, e.g. "data.grad=int8 tensor.act=int8"; "none" if none."""
+    parts = [f"{a}.{k}={_codec_name(c)}" for a, k, c in pol.table
+             if codecs.parse(c).kind != "identity"]
+    return " ".join(parts) or "none"
+
+
+def changes(old: policy_lib.Policy, new: policy_lib.Policy) -> str:
+    """The entries that differ, e.g. "data.grad=none->int8"; "" if none."""
+    return " ".join(f"{a}.{k}={_codec_name(c0)}->{_codec_name(c1)}"
+                    for (a, k, c0), (_, _, c1) in zip(old.table, new.table) if c0 != c1)
