@@ -13,8 +13,10 @@ Every run is `python train.py` in a subprocess with its own workdir under
             (grad=int4 with error feedback, param=int8), tensor (act and
             act_grad int8), pipeline (act and act_grad int8)
   sweep     data.grad alone at int8, int4, int2, topk:0.1, topk:0.01, each with
-            and without error feedback; tensor and pipeline act/act_grad
-            together at int8, int4, int2
+            and without error feedback, and powersgd:rank=4; tensor and
+            pipeline act/act_grad together at int8, int4, int2; tensor
+            act/act_grad through a learned autoencoder (ae:dim=32)
+  variants  hybrid with other data-gradient and activation-gradient codecs
 
 Every suite also runs the baseline, the reference for gaps and byte ratios.
 A finished run (its metrics.jsonl has a record of the last step) is skipped;
@@ -57,6 +59,7 @@ SUITES = ("main", "ablation", "sweep", "variants")
 GRAD_SWEEP = ("int8", "int4", "int2", "topk:0.1", "topk:0.01")
 ACT_SWEEP = ("int8", "int4", "int2")
 PSGD = "powersgd:rank=4"
+AE_DIM = 32  # a quarter of configs/base.py's d_model: int8's byte ratio, in float32
 COMMIT_FILE = "git_commit.txt"  # in each run's workdir: the commit that trained it
 DEFAULT_OUT = os.path.join("benchmarks", "results", "convergence")
 QUICK = dict(config="configs/tiny.py", steps=4, eval_every=2, runs=("baseline", "hybrid"))
@@ -85,11 +88,20 @@ def run_specs() -> list[dict]:
     for spec in ACT_SWEEP:
         runs.append(dict(name=f"act_{_slug(spec)}", suite="sweep", group="sweep_act",
                          policy="baseline", overrides=_tp_act(spec), error_feedback="off"))
+    # The learned autoencoder codes tensor activations (and their gradients) only.
+    runs.append(dict(name=f"act_ae{AE_DIM}", suite="sweep", group="sweep_act", policy="baseline",
+                     overrides={f"tensor.{k}": f"ae:dim={AE_DIM}" for k in ("act", "act_grad")},
+                     error_feedback="off"))
     # hybrid with other data-gradient codecs: the candidates for a hybrid that keeps
     # the baseline's loss within a quarter of its bytes.
-    for name, grad, ef in (("hybrid_psgd", PSGD, "on"), ("hybrid_grad_int8", "int8", "off")):
+    for name, extra, ef in (("hybrid_psgd", {"data.grad": PSGD}, "on"),
+                            ("hybrid_grad_int8", {"data.grad": "int8"}, "off"),
+                            ("hybrid_grad_int8_pipe_ag_int4",
+                             {"data.grad": "int8", "pipeline.act_grad": "int4"}, "off"),
+                            ("hybrid_grad_int8_tensor_ag_int4",
+                             {"data.grad": "int8", "tensor.act_grad": "int4"}, "off")):
         runs.append(dict(name=name, suite="variants", group="main", policy="hybrid",
-                         overrides={"data.grad": grad}, error_feedback=ef))
+                         overrides=extra, error_feedback=ef))
     return runs
 
 

@@ -168,7 +168,14 @@ def test_suites_and_bad_arguments():
     assert names("main") == ["baseline", "naive", "hybrid"]
     assert names("ablation") == ["baseline", "only_data", "only_tensor", "only_pipeline"]
     sweep = names("sweep")
-    assert len(sweep) == 1 + 10 + 3 and "grad_topk0p01_efoff" in sweep and "act_int2" in sweep
+    # baseline, 5 gradient codecs x EF on/off, PowerSGD, 3 activation codecs, the autoencoder
+    assert len(sweep) == 1 + 10 + 1 + 3 + 1 and "grad_topk0p01_efoff" in sweep
+    assert {"act_int2", "grad_powersgd_r4", "act_ae32"} <= set(sweep)
+    assert names("variants")[0] == "baseline" and "hybrid_grad_int8_tensor_ag_int4" in names(
+        "variants")
+    ae = next(s for s in conv.run_specs() if s["name"] == "act_ae32")
+    assert "--config.compression.tensor.act_grad=ae:dim=32" in conv.train_args(
+        ae, "configs/base.py", 100, 20, 10)
     spec = next(s for s in conv.run_specs() if s["name"] == "grad_int2_efoff")
     args = conv.train_args(spec, "configs/base.py", 100, 20, 10)
     assert "--config.compression.data.grad=int2" in args
@@ -193,6 +200,28 @@ def test_closest_bytes_pair_and_claims():
     assert "naive degrades the loss more than hybrid matches here" in text
     assert "grad_int2_efon has the lower loss" in text
     assert "lowered the final loss gap at 1 of 1 strengths" in text
+
+
+def test_best_setting_and_data_codec_claims():
+    def run(name, gap, ratio, data, **over):
+        return dict(name=name, gap_pct=gap, byte_ratio=ratio, wire_bytes_total=1000 * ratio,
+                    wire_bytes={"data": data, "tensor": 0, "pipeline": 0},
+                    byte_ratio_by_axis={"data": data / 100, "tensor": 0, "pipeline": 0},
+                    policy="hybrid", overrides=over, error_feedback="off")
+    runs = [run("baseline", 0.0, 1.0, 100), run("hybrid", 4.0, 0.24, 20),
+            run("v_small", 0.9, 0.21, 30, **{"data.grad": "int8"}),
+            run("v_big", -0.5, 0.24, 30), run("v_over", 0.1, 0.26, 30),
+            run("grad_int8_efoff", -0.2, 0.9, 50), run("grad_int4_efoff", 3.0, 0.9, 13),
+            run("grad_powersgd_r4", 20.0, 0.9, 38)]
+    text = "\n".join(report.best_claims(runs))
+    assert "Best per-axis setting meeting both targets: v_small" in text
+    assert "data.grad=int8" in text and "Also meeting both: v_big (0.240, -0.50%)" in text
+    assert "v_over" not in text and "hybrid" not in text.split("=")[0]
+    none = report.best_claims([r for r in runs if not r["name"].startswith("v_")])
+    assert none and none[0].startswith("No run here meets both targets")
+    data = report.data_codec_claims({r["name"]: r for r in runs})[0]
+    assert "fewest data-axis bytes within 1% of the baseline's loss is grad_int8_efoff" in data
+    assert "grad_powersgd_r4: 0.380 of the data bytes, gap +20.00%" in data
 
 
 def test_projection_claims_compare_order_and_bound():
