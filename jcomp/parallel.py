@@ -13,6 +13,10 @@ Layout:
             head are split over the vocabulary (vocab-parallel lookup and
             cross-entropy); the cross-entropy exchanges only per-token max,
             sum-exp and target logit, 1/d_model of the activations, exactly.
+            With `ae:dim=A` (jcomp.autoencoder) the blocks code those
+            all-reduces themselves; the autoencoder weights whose gradients
+            differ per tensor rank are summed once per step over tensor with
+            policy[tensor, grad].
   pipeline  Layers are split into contiguous stages. A GPipe schedule runs
             M microbatches through the stages in M + P - 1 ticks; activations
             move stage to stage with `cc.ppermute` (policy[pipeline, act]
