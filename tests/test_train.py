@@ -14,7 +14,8 @@ TINY = ["--config=configs/tiny.py", "--config.train.steps=8", "--config.train.lo
 
 def _env(devices=8):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
+                        "--xla_backend_optimization_level=0")  # see conftest.py
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
