@@ -17,6 +17,10 @@ On a GPU or TPU machine the real devices are used and the mesh is built from
 however many there are (`mesh_sizes`); an axis of size 1 moves nothing, so
 ops over it show 0 bytes and no byte ratio. On emulated devices no byte
 crosses a wire: times measure the coding work, not bandwidth saved.
+
+Two structured codecs get their own rows per size (`bench_structured`):
+PowerSGD over data beside lax.pmean, and a linear autoencoder's coded
+all-reduce over tensor beside lax.psum.
 """
 import os
 
@@ -36,8 +40,10 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from jcomp import autoencoder  # noqa: E402
 from jcomp import codecs  # noqa: E402
 from jcomp import collectives as cc  # noqa: E402
+from jcomp import powersgd  # noqa: E402
 from jcomp import mesh as jmesh  # noqa: E402
 from jcomp import wire  # noqa: E402
 
@@ -143,6 +149,93 @@ def bench_op(op: str, size: int, codec_list, mesh, repeats: int, rng) -> list[di
     return rows
 
 
+def _matrix(size: int) -> tuple[int, int]:
+    """(m, n) with m * n = size and m <= n, as square as powers of two allow."""
+    m = 1 << ((size.bit_length() - 1) // 2)
+    while size % m:
+        m //= 2
+    return m, size // m
+
+
+def structured_bodies(size: int, rank: int, ae_dim: int):
+    """{name: (body, out_spec, axis)} for the codecs that are structures rather
+    than byte codecs, each beside the jax.lax op it replaces (see bench_structured)."""
+    m, n = _matrix(size)
+    psgd = f"powersgd:rank={rank}"
+    q_NxR = powersgd.init_q(jax.random.key(powersgd.Q_SEED), (n,), rank)
+
+    def psgd_body(x_1xS):
+        return powersgd.reduce(x_1xS[0].reshape(m, n), q_NxR, None, "data", codec=psgd)[0][None]
+
+    def mean_body(x_1xS):
+        return lax.pmean(x_1xS[0].reshape(m, n), "data")[None]
+
+    # A tensor-parallel activation [tokens, d_model=n] coded to ae_dim numbers per
+    # token by an (untrained) orthonormal encoder and decoded by its transpose.
+    enc_NxA = autoencoder.init_pair(jax.random.key(0), n, ae_dim, "orthogonal")[0]
+
+    def ae_body(x_1xS):
+        z_MxA = x_1xS[0].reshape(m, n) @ enc_NxA
+        return (cc.psum(z_MxA, "tensor", codec="none") @ enc_NxA.T)[None]
+
+    def sum_body(x_1xS):
+        return lax.psum(x_1xS[0].reshape(m, n), "tensor")[None]
+
+    not_data = P(tuple(a for a in jmesh.AXES if a != "data"))
+    not_tensor = P(tuple(a for a in jmesh.AXES if a != "tensor"))
+    return {psgd: (psgd_body, not_data, "data"), "lax.pmean": (mean_body, not_data, "data"),
+            f"ae:dim={ae_dim}": (ae_body, not_tensor, "tensor"),
+            "lax.psum": (sum_body, not_tensor, "tensor")}
+
+
+def bench_structured(size: int, mesh, repeats: int, rng, rank: int = 4) -> list[dict]:
+    """PowerSGD over data against lax.pmean, and a linear autoencoder's coded
+    all-reduce over tensor (code width n/4) against lax.psum, on [m, n] matrices.
+
+    Inputs are one rank-`rank` matrix shared by every device (the part of a
+    gradient data ranks agree on) plus 10% Gaussian noise of each device's own:
+    PowerSGD's error then shows the noise it drops and its single power step. The autoencoder here is an
+    untrained orthonormal projection, so its error is a random projection's; a
+    trained one's effect on the loss is what the convergence benchmark measures.
+    """
+    m, n = _matrix(size)
+    a_MxN = rng.normal(size=(m, rank)) @ rng.normal(size=(rank, n)) / rank
+    noise = 0.1 * rng.normal(size=(mesh.size, m, n))
+    x_np = (a_MxN + noise).reshape(mesh.size, size).astype(np.float32)
+    x = jax.device_put(x_np, NamedSharding(mesh, EVERY))
+    bodies = structured_bodies(size, rank, max(n // 4, 1))
+    fns, reports = {}, {}
+    for name, (body, out_spec, _) in bodies.items():
+        fns[name] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=EVERY, out_specs=out_spec))
+        reports[name] = wire.measure(fns[name], x, mesh=mesh)
+    times = time_interleaved(fns, x, repeats)
+    rows = []
+    for name, ref_name in ((f"powersgd:rank={rank}", "lax.pmean"),
+                           (f"ae:dim={max(n // 4, 1)}", "lax.psum")):
+        base, ours = reports[ref_name].total(), reports[name].total()
+        t_ours, t_ref = statistics.median(times[name]), statistics.median(times[ref_name])
+        rows.append(dict(
+            codec=name, reference=ref_name, axis=bodies[name][2], matrix=[m, n],
+            bytes_per_device=ours, reference_bytes=base, byte_ratio=ours / base if base else None,
+            rel_err=rel_err(fns[name](x), fns[ref_name](x)), time_s=t_ours,
+            time_ratio=t_ours / t_ref, notes=list(reports[name].notes)))
+    return rows
+
+
+def structured_table(rows) -> str:
+    """Fixed-width table of the structured rows, laid out like `table`."""
+    head = ("codec", "axis", "vs", "matrix", "bytes/dev", "bytes x", "rel err", "ms", "time x")
+    lines = [head] + [(
+        r["codec"], r["axis"], r["reference"], f"{r['matrix'][0]}x{r['matrix'][1]}",
+        f"{int(r['bytes_per_device']):,}",
+        "-" if r["byte_ratio"] is None else f"{r['byte_ratio']:.3f}", f"{r['rel_err']:.2e}",
+        f"{r['time_s'] * 1e3:.2f}", f"{r['time_ratio']:.2f}") for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(v.rjust(w) if i > 2 else v.ljust(w)
+                               for i, (v, w) in enumerate(zip(line, widths))).rstrip()
+                     for line in lines)
+
+
 def no_saving_note(codec: str, ratio, report) -> list[str]:
     """A note when a compressed program sends no fewer bytes than the jax.lax op.
     The meter's own note covers widened all-reduces only; XLA on CPU also widens
@@ -246,7 +339,12 @@ def main(argv=None):
             for op in args.ops:
                 rows += bench_op(op, size, args.codecs, mesh, args.repeats, rng)
                 print(f"  done {op} at {_size_str(size)} elements per device", flush=True)
+        structured = [r for size in args.sizes
+                      for r in bench_structured(size, mesh, args.repeats, rng)]
     print(table(rows))
+    print("\nStructured codecs beside the jax.lax op they replace (rank-4 + noise inputs; "
+          "untrained autoencoder):")
+    print(structured_table(structured))
     notes = list(dict.fromkeys(f"{r['op']}/{r['codec']}: {n}" for r in rows for n in r["notes"]))
     for n in notes:
         print(f"NOTE {n}")
@@ -262,7 +360,7 @@ def main(argv=None):
                device_kind=jax.devices()[0].device_kind, device_count=jax.device_count(),
                mesh=dict(mesh.shape), repeats=args.repeats,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               rows=rows, notes=notes, budget=b)
+               rows=rows, structured_rows=structured, notes=notes, budget=b)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)

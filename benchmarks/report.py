@@ -345,8 +345,22 @@ def collectives_section(col: dict) -> str:
     head = (f"{col['device_count']} {col['backend']} devices, mesh {col['mesh']}, "
             f"{size} float32 elements per device, median of {col['repeats']} calls; date "
             f"{col['date']}.")
-    return head + "\n\n" + table(["op", "axis", "codec", "bytes/device", "bytes vs lax",
-                                  "rel. error", "time vs lax"], rows)
+    out = head + "\n\n" + table(["op", "axis", "codec", "bytes/device", "bytes vs lax",
+                                 "rel. error", "time vs lax"], rows)
+    structured = [r for r in col.get("structured_rows", [])
+                  if r["matrix"][0] * r["matrix"][1] == size]
+    if structured:
+        out += ("\n\nStructured codecs beside the jax.lax op they replace, on [m, n] matrices: "
+                "PowerSGD (one call from a random Q, no warm start) on a rank-4 matrix shared by "
+                "the devices plus 10% noise of each device's own; the autoencoder untrained (a "
+                "random orthonormal projection to n/4, so its error is not a trained one's).\n\n"
+                + table(["codec", "axis", "vs", "matrix", "bytes/device", "bytes vs lax",
+                         "rel. error", "time vs lax"],
+                        [[r["codec"], r["axis"], r["reference"],
+                          f"{r['matrix'][0]}x{r['matrix'][1]}", human_bytes(r["bytes_per_device"]),
+                          fmt(r["byte_ratio"], ".3f"), fmt(r["rel_err"], ".2e"),
+                          fmt(r["time_ratio"], ".2f")] for r in structured]))
+    return out
 
 
 def parallel_section(par: dict) -> str:
