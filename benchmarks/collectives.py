@@ -222,6 +222,14 @@ def bench_structured(size: int, mesh, repeats: int, rng, rank: int = 4) -> list[
     return rows
 
 
+def _fixed_width(lines) -> str:
+    """Rows of strings as columns: the first three left-aligned, the rest right."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(v.rjust(w) if i > 2 else v.ljust(w)
+                               for i, (v, w) in enumerate(zip(line, widths))).rstrip()
+                     for line in lines)
+
+
 def structured_table(rows) -> str:
     """Fixed-width table of the structured rows, laid out like `table`."""
     head = ("codec", "axis", "vs", "matrix", "bytes/dev", "bytes x", "rel err", "ms", "time x")
@@ -230,10 +238,7 @@ def structured_table(rows) -> str:
         f"{int(r['bytes_per_device']):,}",
         "-" if r["byte_ratio"] is None else f"{r['byte_ratio']:.3f}", f"{r['rel_err']:.2e}",
         f"{r['time_s'] * 1e3:.2f}", f"{r['time_ratio']:.2f}") for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(v.rjust(w) if i > 2 else v.ljust(w)
-                               for i, (v, w) in enumerate(zip(line, widths))).rstrip()
-                     for line in lines)
+    return _fixed_width(lines)
 
 
 def no_saving_note(codec: str, ratio, report) -> list[str]:
@@ -261,10 +266,7 @@ def table(rows) -> str:
         r["op"], r["axis"], r["codec"], _size_str(r["elements"]), f"{int(r['bytes_per_device']):,}",
         "-" if r["byte_ratio"] is None else f"{r['byte_ratio']:.3f}", f"{r['rel_err']:.2e}",
         f"{r['time_s'] * 1e3:.2f}", f"{r['time_ratio']:.2f}") for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(v.rjust(w) if i > 2 else v.ljust(w)
-                               for i, (v, w) in enumerate(zip(line, widths))).rstrip()
-                     for line in lines)
+    return _fixed_width(lines)
 
 
 def budget(rows) -> dict | None:

@@ -117,6 +117,12 @@ def dims(pol) -> dict:
             "init": learned[0].init if learned else "orthogonal"}
 
 
+def parts(pol) -> tuple:
+    """The Block autoencoders a policy runs: "out" (tensor.act), "in" (tensor.act_grad)."""
+    d = dims(pol)
+    return tuple(part for part in ("out", "in") if d[f"{part}_dim"])
+
+
 def rest_codec(codec):
     """The codec for tensor collectives outside the blocks: `rest` of an
     autoencoder, the codec itself otherwise."""

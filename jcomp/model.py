@@ -170,19 +170,20 @@ class Block(nn.Module):
                          lambda k: enc.T if self.ae_init == "orthogonal" else pair(k)[1])
         return enc, dec
 
+    def _coded(self, name, dim, hook, x_BxLxD):
+        """hook(x) when dim is 0, else hook(x E) Dec: the collective in `hook`
+        moves the A-wide code (see jcomp.autoencoder)."""
+        if not dim:
+            return hook(x_BxLxD)
+        enc_DxA, dec_AxD = self._ae(name, dim)
+        z_BxLxA = x_BxLxD @ enc_DxA.astype(self.dtype)
+        return hook(z_BxLxA) @ dec_AxD.astype(self.dtype)
+
     def _enter(self, sub, h_BxLxD):
-        if not self.ae_in_dim:
-            return self.tp_enter(h_BxLxD)
-        enc_DxA, dec_AxD = self._ae(f"{sub}_ae_in", self.ae_in_dim)
-        z_BxLxA = h_BxLxD @ enc_DxA.astype(self.dtype)
-        return self.tp_enter(z_BxLxA) @ dec_AxD.astype(self.dtype)
+        return self._coded(f"{sub}_ae_in", self.ae_in_dim, self.tp_enter, h_BxLxD)
 
     def _exit(self, sub, y_BxLxD):
-        if not self.ae_out_dim:
-            return self.tp_exit(y_BxLxD)
-        enc_DxA, dec_AxD = self._ae(f"{sub}_ae_out", self.ae_out_dim)
-        z_BxLxA = y_BxLxD @ enc_DxA.astype(self.dtype)
-        return self.tp_exit(z_BxLxA) @ dec_AxD.astype(self.dtype)
+        return self._coded(f"{sub}_ae_out", self.ae_out_dim, self.tp_exit, y_BxLxD)
 
     def _ln(self, name, x_BxLxD):
         ln = nn.LayerNorm(epsilon=self.eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)

@@ -165,10 +165,8 @@ def pipeline_forward(layers, x0_MxbxLxD, cfg, pol, remat):
     stage = lax.axis_index(PIPE)
     n_micro = x0_MxbxLxD.shape[0]
     enter, leave = _tp_hooks(pol)
-    learned = lambda kind: getattr(pol[TENSOR, kind], "kind", None) == "learned"
-    use_ae = tuple(part for part, kind in (("out", "act"), ("in", "act_grad")) if learned(kind))
     run_stage = functools.partial(gpt.apply_layers, layers, cfg=cfg, tp_enter=enter,
-                                  tp_exit=leave, remat=remat, use_ae=use_ae)
+                                  tp_exit=leave, remat=remat, use_ae=autoencoder.parts(pol))
     shift = [(i, i + 1) for i in range(n_stages - 1)]
     x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE, bwd_codec=pol[PIPE, "act_grad"])
 
@@ -218,8 +216,7 @@ def local_value_and_grad(params, batch_bxL1, cfg, pol, microbatches, remat=False
     # Autoencoder weights that multiply rank-varying values are marked varying over
     # tensor here, so their gradients come out per rank and are summed once per step
     # below (policy[tensor, grad]) instead of by an implicit float32 psum per use.
-    in_use = [f"_ae_{part}_" for part, kind in (("out", "act"), ("in", "act_grad"))
-              if getattr(pol[TENSOR, kind], "kind", None) == "learned"]
+    in_use = [f"_ae_{part}_" for part in autoencoder.parts(pol)]
     ae_names = [n for n in autoencoder.VARYING_OVER_TENSOR
                 if n in params["layers"] and any(u in n for u in in_use)]
     layers = dict(params_v["layers"])
