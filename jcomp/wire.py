@@ -5,22 +5,31 @@ traffic number jcomp reports comes from reading the optimised HLO text
 (`jax.jit(f).lower(*args).compile().as_text()`), never from what the Python
 code meant to send.
 
-Bytes are counted per device and per call, the way NCCL-tests count bus
-traffic. With `buf` the bytes of the collective's result and `n` its group size:
+Every number a report gives is bytes per device per call, averaged over all
+devices of the mesh. One execution of a collective costs each device taking
+part `bytes_per_device`, the way NCCL-tests count bus traffic; with `buf` the
+bytes of the collective's result and `n` its group size:
 
   all-reduce          2(n-1)/n * buf
   all-gather           (n-1)/n * buf      (buf is the gathered output)
   reduce-scatter       (n-1)   * buf      (the input is n * buf)
   all-to-all           (n-1)/n * buf
-  collective-permute         1 * buf      (0 when every pair stays on its device)
+  collective-permute         1 * buf      (only its source devices send)
 
-Collectives inside while loops are counted once per iteration, using the trip
-count XLA records in the loop's backend_config.
+`count` is how often it runs per call and `share` the fraction of the mesh's
+devices that take part in a run, so `total_bytes = bytes_per_device * count *
+share`. Collectives inside while loops are counted once per iteration, using
+the trip count XLA records in the loop's backend_config. A collective-permute
+is shared by the devices that send in its source_target_pairs (not to
+themselves). A conditional's branch is shared by the devices that take it when
+its selector is a function of partition-id that the meter can evaluate
+exactly; otherwise the branch is counted as if it always runs, with a caveat.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import re
 from typing import Mapping, Sequence
 
@@ -49,7 +58,10 @@ class Collective:
 
     `shape` is the result shape, or a tuple of shapes for a tuple result;
     `parts` lists (dtype, dims, bytes) for every array the collective
-    outputs. `caveat` is non-empty when `count` could not be known exactly.
+    outputs. `bytes_per_device` is what one taking part sends per execution;
+    `share` is the fraction of the mesh's devices that take part (averaged
+    over executions). `caveat` is non-empty when `count` could not be known
+    exactly.
     """
 
     kind: str
@@ -62,10 +74,12 @@ class Collective:
     name: str
     parts: tuple[tuple[str, tuple[int, ...], float], ...] = ()
     caveat: str = ""
+    share: float = 1.0
 
     @property
     def total_bytes(self) -> float:
-        return self.bytes_per_device * self.count
+        """Bytes per device per call, averaged over the mesh."""
+        return self.bytes_per_device * self.count * self.share
 
 
 @dataclasses.dataclass
@@ -76,7 +90,7 @@ class WireReport:
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def by_axis(self) -> dict[str, float]:
-        """Bytes per device per call, keyed by "+".join(axes) ("none" if no axis)."""
+        """Bytes per device per call (mesh average), keyed by "+".join(axes) ("none" if no axis)."""
         out: dict[str, float] = {}
         for c in self.collectives:
             key = "+".join(c.axes) or "none"
@@ -84,7 +98,7 @@ class WireReport:
         return out
 
     def by_dtype(self) -> dict[str, float]:
-        """Bytes per device per call, keyed by element dtype of what is sent."""
+        """Bytes per device per call (mesh average), keyed by element dtype of what is sent."""
         out: dict[str, float] = {}
         for c in self.collectives:
             buf = sum(b for _, _, b in c.parts)
@@ -94,21 +108,24 @@ class WireReport:
         return out
 
     def total(self) -> float:
-        """All bytes one device sends per call."""
+        """All bytes a device sends per call, averaged over the mesh."""
         return float(sum(c.total_bytes for c in self.collectives))
 
     def table(self) -> str:
         """A fixed-width table of collectives, a per-axis summary, then the notes."""
-        head = ("kind", "dtype", "shape", "axes", "n", "count", "bytes/dev/exec", "bytes/dev/call")
+        shared = any(c.share != 1 for c in self.collectives)  # the column only when it says something
+        head = ("kind", "dtype", "shape", "axes", "n", "count") + ("share",) * shared + (
+            "bytes/dev/exec", "bytes/dev/call")
         rows = [head] + [
             (c.kind, c.dtype, _shape_str(c.shape), "+".join(c.axes) or "none", str(c.group_size),
-             f"{c.count}{'?' if c.caveat else ''}", _fmt(c.bytes_per_device), _fmt(c.total_bytes))
+             f"{c.count}{'?' if c.caveat else ''}") + (f"{c.share:.4g}",) * shared +
+            (_fmt(c.bytes_per_device), _fmt(c.total_bytes))
             for c in self.collectives
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.append("")
-        lines.append("per axis (bytes per device per call):")
+        lines.append("per axis (bytes per device per call, mesh average):")
         for axis, b in sorted(self.by_axis().items()):
             lines.append(f"  {axis:<24} {_fmt(b)}")
         lines.append(f"  {'total':<24} {_fmt(self.total())}")
@@ -236,50 +253,247 @@ _REF_RE = re.compile(
     r"false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 
 
-def _callees(instr: _Instr) -> list[tuple[str, int, str]]:
-    """(computation, runs per run of the caller, caveat) for each computation `instr` calls."""
+_BRANCH_KEYS = ("branch_computations", "true_computation", "false_computation")
+
+
+def _callees(instr: _Instr) -> list[tuple[str, int, str, int | None]]:
+    """(computation, runs per run of the caller, caveat, branch index or None) for each
+    computation `instr` calls; a pred conditional's true_computation is branch 0."""
     if instr.opcode.endswith("-done") or instr.opcode == "async-update":
         return []  # the matching -start already called it
     trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instr.attrs)
     attrs = re.sub(r'"(?:[^"\\]|\\.)*"', '""', instr.attrs)  # drop strings: op_name may say "body"
     out = []
     for key, value in _REF_RE.findall(attrs):
-        for callee in re.findall(r"%?([\w.\-]+)", value):
-            factor, caveat = 1, ""
+        for pos, callee in enumerate(re.findall(r"%?([\w.\-]+)", value)):
+            factor, caveat, branch = 1, "", None
             if instr.opcode == "while":
                 if trip:
                     factor = int(trip.group(1)) + (key == "condition")
                 else:
                     caveat = f"while {instr.name} has no known trip count: counted once per call"
-            elif key in ("branch_computations", "true_computation", "false_computation"):
+            elif key in _BRANCH_KEYS:
+                branch = pos if key == "branch_computations" else int(key == "false_computation")
                 caveat = f"in a branch of conditional {instr.name}: counted as if it always runs"
-            out.append((callee, factor, caveat))
+            out.append((callee, factor, caveat, branch))
     return out
 
 
-def _multiplicities(comps: dict[str, list[_Instr]], entry: str):
-    """Runs per call and caveats of every computation reachable from `entry`."""
+def _multiplicities(comps: dict[str, list[_Instr]], entry: str, ndev: int):
+    """Runs per call, runs per call on each partition id, and caveats of every
+    computation reachable from `entry`."""
     order, seen = [], set()
 
     def visit(name: str):  # post-order DFS; HLO call graphs are acyclic
         seen.add(name)
         for instr in comps[name]:
-            for callee, _, _ in _callees(instr):
+            for callee, _, _, _ in _callees(instr):
                 if callee in comps and callee not in seen:
                     visit(callee)
         order.append(name)
 
     visit(entry)
+    callers: dict[str, list[tuple[str, _Instr, int | None]]] = {}
+    for name in order:
+        for instr in comps[name]:
+            for callee, _, _, branch in _callees(instr):
+                callers.setdefault(callee, []).append((name, instr, branch))
+    selector = _Selector(comps, callers)
     counts = {name: 0 for name in order}
+    runs = {name: np.zeros(ndev) for name in order}
     caveats: dict[str, set[str]] = {name: set() for name in order}
-    counts[entry] = 1
+    counts[entry], runs[entry][:] = 1, 1.0
     for name in reversed(order):  # callers before callees
         for instr in comps[name]:
-            for callee, factor, caveat in _callees(instr):
+            picks = selector.picks(name, instr, ndev) if instr.opcode == "conditional" else None
+            for callee, factor, caveat, branch in _callees(instr):
                 if callee in counts:
+                    taken = 1.0
+                    if branch is not None and picks is not None:
+                        taken, caveat = picks == branch, ""
                     counts[callee] += counts[name] * factor
+                    runs[callee] += runs[name] * factor * taken
                     caveats[callee] |= caveats[name] | ({caveat} if caveat else set())
-    return counts, caveats
+    return counts, runs, caveats
+
+
+# ---------------------------------------------------------------- branch selectors
+
+class _Unknown(Exception):
+    """A value the selector interpreter cannot know exactly."""
+
+
+def _split_args(instr: _Instr) -> tuple[list[str], str]:
+    """The operand names (a constant's literal) of `instr`, and the attribute text after them."""
+    parts, depth, cur = [], 0, ""
+    for i, ch in enumerate(instr.attrs):
+        if ch in ")]}" and depth == 0:
+            parts.append(cur)
+            # operands may be printed with their shapes: the name is the last word
+            return [p.split()[-1].lstrip("%") for p in parts if p.strip()], instr.attrs[i + 1:]
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    raise _Unknown(f"unbalanced operands of {instr.name}")
+
+
+def _attr(rest: str, key: str) -> str:
+    m = re.search(rf"\b{key}=%?([\w.\-]+)", rest)
+    if not m:
+        raise _Unknown(f"no {key}=")
+    return m.group(1)
+
+
+def _wrap(v: int, dtype: str) -> int:
+    """`v` as a value of integer `dtype`, wrapping as the hardware does."""
+    if dtype == "pred":
+        return int(v != 0)
+    m = re.fullmatch(r"([su])(\d+)", dtype)
+    if not m:
+        raise _Unknown(f"{dtype} is not an integer type")
+    bits = int(m.group(2))
+    v &= (1 << bits) - 1
+    return v - (1 << bits) if m.group(1) == "s" and v >> (bits - 1) else v
+
+
+_COMPARE = {"EQ": operator.eq, "NE": operator.ne, "LT": operator.lt, "LE": operator.le,
+            "GT": operator.gt, "GE": operator.ge}
+_BINARY = {"add": operator.add, "subtract": operator.sub, "multiply": operator.mul,
+           "and": operator.and_, "or": operator.or_, "xor": operator.xor,
+           "minimum": min, "maximum": max}
+
+
+def _apply(op: str, a: list[int], rest: str, dtype: str) -> int:
+    """One scalar integer op on operand values; the caller wraps the result to `dtype`."""
+    if op in _BINARY and len(a) == 2:
+        return _BINARY[op](*a)
+    if op == "compare":
+        return _COMPARE[_attr(rest, "direction")](*a)
+    if op in ("convert", "copy", "bitcast", "reshape"):
+        return a[0]
+    if op == "negate":
+        return -a[0]
+    if op == "not":
+        return 1 - a[0] if dtype == "pred" else ~a[0]
+    if op == "select":
+        return a[1] if a[0] else a[2]
+    if op == "clamp":  # clamp(min, operand, max)
+        return min(max(a[1], a[0]), a[2])
+    if op in ("divide", "remainder") and a[1] != 0:  # x/0 has no use in a selector: unknown
+        x, y = a
+        q = abs(x) // abs(y) * (1 if (x < 0) == (y < 0) else -1)  # rounds toward zero
+        return q if op == "divide" else x - y * q
+    if op.startswith("shift-") and dtype != "pred":
+        bits = _DTYPE_BITS[dtype]
+        x, n = a[0] & ((1 << bits) - 1), a[1] & ((1 << bits) - 1)  # the amount is unsigned
+        if op == "shift-left":
+            return x << n if n < bits else 0
+        if op == "shift-right-logical":
+            return x >> n if n < bits else 0
+        if op == "shift-right-arithmetic":
+            return _wrap(x, f"s{bits}") >> min(n, bits - 1)
+    raise _Unknown(f"{op} is not interpreted")
+
+
+class _Selector:
+    """Exact values of the scalar integer HLO that picks a conditional's branch.
+
+    Partition ids are taken to be the mesh's flattened device positions, as
+    for replica groups with use_global_device_ids; the replica id is 0.
+    """
+
+    def __init__(self, comps: dict[str, list[_Instr]], callers):
+        self.instrs = {c: {i.name: i for i in instrs} for c, instrs in comps.items()}
+        self.roots = {c: next((i for i in instrs if i.line.lstrip().startswith("ROOT")), None)
+                      for c, instrs in comps.items()}
+        self.callers = callers  # computation -> [(calling computation, instruction, branch)]
+        self.memo: dict = {}  # per partition id: a selector may reuse a value many times
+
+    def picks(self, comp: str, cond: _Instr, ndev: int) -> np.ndarray | None:
+        """The branch each partition id takes, or None where that is not known exactly."""
+        n = len([b for _, _, _, b in _callees(cond) if b is not None])
+        try:
+            sel = self.instrs[comp][_split_args(cond)[0][0]]
+            values = []
+            for pid in range(ndev):
+                self.memo = {}
+                values.append(self.value(comp, sel.name, pid))
+        except (_Unknown, KeyError, IndexError, ValueError):
+            return None
+        if sel.shape[0] == "pred":
+            return np.array([0 if v else 1 for v in values])  # true_computation is branch 0
+        return np.array([v if 0 <= v < n else n - 1 for v in values])  # XLA: else the last
+
+    def value(self, comp: str, name: str, pid: int, args=None, path: tuple[int, ...] = ()) -> int:
+        """`name` in `comp` on partition `pid`; `path` indexes into a tuple value.
+        `args` binds a fused computation's parameters to (computation, name, args)
+        of its operands; without it a parameter is looked up at its one caller."""
+        key = (comp, name, args, path)
+        if key not in self.memo:
+            self.memo[key] = self._value(comp, name, pid, args, path)
+        return self.memo[key]
+
+    def _value(self, comp, name, pid, args, path) -> int:
+        instr = self.instrs[comp][name]
+        ops, rest = _split_args(instr)
+        op = instr.opcode
+        if op == "get-tuple-element":
+            return self.value(comp, ops[0], pid, args, (int(_attr(rest, "index")),) + path)
+        if op == "tuple" and path:
+            return self.value(comp, ops[path[0]], pid, args, path[1:])
+        if op == "parameter":
+            return self._parameter(comp, int(ops[0]), pid, args, path)
+        if op in ("fusion", "call"):
+            callee = _attr(rest, "calls" if op == "fusion" else "to_apply")
+            if self.roots.get(callee) is None:
+                raise _Unknown(f"{callee} has no ROOT")
+            return self.value(callee, self.roots[callee].name, pid,
+                              tuple((comp, o, args) for o in ops), path)
+        if path or not isinstance(instr.shape, tuple) or math.prod(instr.shape[1]) != 1:
+            raise _Unknown(f"{name} is not a scalar")
+        dtype = instr.shape[0]
+        if op == "partition-id":
+            v = pid
+        elif op == "replica-id":
+            v = 0
+        elif op == "constant":
+            lit = re.fullmatch(r"\{?\s*(true|false|-?\d+)\s*\}?", ops[0] if ops else "")
+            if not lit:
+                raise _Unknown(f"constant {name}")
+            v = {"true": 1, "false": 0}.get(lit.group(1))
+            v = int(lit.group(1)) if v is None else v
+        else:
+            v = _apply(op, [self.value(comp, o, pid, args) for o in ops], rest, dtype)
+        return _wrap(v, dtype)
+
+    def _parameter(self, comp, number, pid, args, path) -> int:
+        if args is not None:
+            return self.value(*args[number][:2], pid, args[number][2], path)
+        if len(self.callers.get(comp, [])) != 1:
+            raise _Unknown(f"{comp} has no single caller")
+        caller, site, branch = self.callers[comp][0]
+        ops = _split_args(site)[0]
+        if site.opcode in ("fusion", "call"):
+            return self.value(caller, ops[number], pid, None, path)
+        if branch is not None:  # branch b's parameter is the conditional's operand b + 1
+            return self.value(caller, ops[branch + 1], pid, None, path)
+        if site.opcode == "while" and path and self._invariant(_attr(site.attrs, "body"), path[0]):
+            return self.value(caller, ops[0], pid, None, path)
+        raise _Unknown(f"parameter of {comp}")
+
+    def _invariant(self, body: str, k: int) -> bool:
+        """Whether the loop `body` passes element `k` of its state through unchanged."""
+        params = [i.name for i in self.instrs[body].values() if i.opcode == "parameter"]
+        root = self.roots[body]
+        if root is None or root.opcode != "tuple" or len(params) != 1:
+            return False
+        ops = _split_args(root)[0]
+        elem = self.instrs[body].get(ops[k]) if k < len(ops) else None
+        return (elem is not None and elem.opcode == "get-tuple-element"
+                and _split_args(elem)[0] == params and _attr(_split_args(elem)[1], "index") == str(k))
 
 
 # ---------------------------------------------------------------- replica groups and axes
@@ -397,7 +611,9 @@ def _sent_tree(instr: _Instr, kind: str):
     return instr.shape[1]
 
 
-def _collective(instr: _Instr, count: int, caveat: str, mesh_shape, axis_names) -> Collective:
+def _collective(instr: _Instr, count: int, runs: np.ndarray, caveat: str, mesh_shape,
+                axis_names) -> Collective:
+    """`count` runs per call; `runs` holds the runs per call on each partition id."""
     kind = _kind_of(instr.opcode)
     sent = _sent_tree(instr, kind)
     leaves = _leaves(sent)
@@ -410,7 +626,10 @@ def _collective(instr: _Instr, count: int, caveat: str, mesh_shape, axis_names) 
         pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
         axes = _axes_spanned(pairs, mesh_shape, axis_names, instr.line)
         n = math.prod(mesh_shape[axis_names.index(a)] for a in axes)
-        per_device = float(buf) if axes else 0.0
+        per_device = float(buf)
+        sends = np.zeros(len(runs))  # a device whose pairs all stay on it sends nothing
+        sends[[s for s, t in pairs if s != t]] = 1.0
+        runs = runs * sends
     else:
         try:
             groups = parse_replica_groups(_groups_text(instr) or "{}", math.prod(mesh_shape))
@@ -428,7 +647,7 @@ def _collective(instr: _Instr, count: int, caveat: str, mesh_shape, axis_names) 
     return Collective(kind=kind, dtype="+".join(dtypes), shape=shape, group_size=n, axes=axes,
                       bytes_per_device=per_device, count=count, name=instr.name,
                       parts=tuple((dt, dims, b) for (dt, dims, _), b in zip(leaves, part_bytes)),
-                      caveat=caveat)
+                      caveat=caveat, share=float(runs.sum() / (len(runs) * count)))
 
 
 def _mesh_args(mesh_shape, axis_names) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -457,7 +676,7 @@ def _parse(hlo_text: str, mesh_shape, axis_names) -> tuple[list[Collective], lis
     comps, entry = _computations(hlo_text)
     if entry is None:
         raise ValueError("hlo_text: no ENTRY computation found")
-    counts, caveats = _multiplicities(comps, entry)
+    counts, runs, caveats = _multiplicities(comps, entry, math.prod(shape))
     found, notes, unmeasured = [], [], {}
     for comp in (c for c in comps if c in counts):  # text order
         for instr in comps[comp]:
@@ -465,7 +684,7 @@ def _parse(hlo_text: str, mesh_shape, axis_names) -> tuple[list[Collective], lis
                 unmeasured[instr.opcode] = unmeasured.get(instr.opcode, 0) + 1
             if _kind_of(instr.opcode) and counts[comp]:
                 caveat = "; ".join(sorted(caveats[comp]))
-                found.append(_collective(instr, counts[comp], caveat, shape, names))
+                found.append(_collective(instr, counts[comp], runs[comp], caveat, shape, names))
     for caveat in dict.fromkeys(c.caveat for c in found if c.caveat):
         which = [c.name for c in found if c.caveat == caveat]
         notes.append(f"{len(which)} collective(s) ({', '.join(which)}): {caveat}")

@@ -117,6 +117,104 @@ def test_psum_in_loop_counts_every_trip(mesh, x_8D, loop, trips):
     assert r.total() == trips * 4096.0
 
 
+@pytest.fixture(scope="module")
+def mesh4():
+    """A pipeline of 4 stages, for selectors with more than two outcomes."""
+    return jax.make_mesh((1, 2, 4), AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+
+
+@pytest.fixture(scope="module")
+def x4_8D(mesh4):
+    return jax.device_put(jnp.arange(8 * D, dtype=jnp.float32), NamedSharding(mesh4, ALL))
+
+
+# two branches that cannot be merged: an s32[256] psum (1,024 bytes on a tensor pair) and
+# an f32[512] psum (2,048 bytes); the third only computes
+BYTES_A, BYTES_B = 2 * (1 / 2) * 4 * 256, 2 * (1 / 2) * 4 * 512
+
+
+def _branch_a(c_D):
+    return c_D + jnp.tile(lax.psum(c_D[:256].astype(jnp.int32), "tensor").astype(jnp.float32), 4)
+
+
+def _branch_b(c_D):
+    return c_D + jnp.tile(lax.psum(c_D[:512] * 2.0, "tensor"), 2)
+
+
+def _branch_c(c_D):
+    return c_D * 3.0
+
+
+T = 3
+
+
+@pytest.mark.parametrize("case,frac_a,frac_b", [
+    ("eq", 4 / 8, 4 / 8),  # pipeline stage 0 takes a
+    ("or", 6 / 8, 2 / 8),  # stage 0 or data row 1: 4 + 4 - 2 devices take a
+    ("or_hoisted", 6 / 8, 2 / 8),  # the same, computed before the loop: a loop-invariant element
+    ("switch", 2 / 4, 1 / 4),  # 4 stages: stages 0 and 1 (clamped) take a, 2 takes b, 3 takes c
+])
+def test_cond_on_pipeline_stage_charges_each_branch_its_devices(mesh, x_8D, mesh4, x4_8D,
+                                                                 case, frac_a, frac_b):
+    def f(x_D):
+        def pred():
+            if case == "eq":
+                return lax.axis_index("pipeline") == 0
+            return (lax.axis_index("pipeline") == 0) | (lax.axis_index("data") == 1)
+
+        hoisted = pred() if case == "or_hoisted" else None
+        stage = lax.axis_index("pipeline")
+
+        def step(c_D, _):
+            if case == "switch":
+                return lax.switch(stage - 1, [_branch_a, _branch_b, _branch_c], c_D), None
+            return lax.cond(pred() if hoisted is None else hoisted, _branch_a, _branch_b, c_D), None
+
+        return lax.scan(step, x_D, None, length=T)[0]
+
+    m, x = (mesh4, x4_8D) if case == "switch" else (mesh, x_8D)
+    smap = jax.jit(jax.shard_map(f, mesh=m, in_specs=ALL, out_specs=ALL, check_vma=True))
+    compiled = smap.lower(x).compile()
+    text = compiled.as_text()
+    assert " while(" in text and " conditional(" in text
+    if case in ("or_hoisted", "switch"):  # the selector is read from the loop state
+        assert " conditional(%get-tuple-element" in text
+    r = wire.measure_compiled(compiled, m)
+    assert not r.notes and not any(c.caveat for c in r.collectives), r.table()
+    shares = sorted((c.dtype, c.count, c.share) for c in r.collectives)
+    assert shares == [("f32", T, frac_b), ("s32", T, frac_a)], r.table()
+    assert r.by_axis() == {"tensor": T * (frac_a * BYTES_A + frac_b * BYTES_B)}
+
+
+def test_data_dependent_cond_is_counted_as_always_running(mesh, x_8D):
+    r = _meter(mesh, x_8D, lambda x: lax.cond(x.sum() > 0, _branch_a, _branch_b, x))
+    assert sorted((c.dtype, c.count, c.share) for c in r.collectives) == [("f32", 1, 1.0), ("s32", 1, 1.0)]
+    assert all("in a branch of conditional" in c.caveat for c in r.collectives)
+    assert len(r.notes) == 1 and "counted as if it always runs" in r.notes[0]
+    assert r.by_axis() == {"tensor": BYTES_A + BYTES_B}
+
+
+def test_ppermute_with_partial_pairs_charges_its_senders(mesh, x_8D):
+    r = _meter(mesh, x_8D, lambda x: lax.ppermute(x, "pipeline", [(0, 1)]))
+    c = _only(r)
+    assert (c.axes, c.bytes_per_device, c.share) == (("pipeline",), 4 * D, 4 / 8)  # stage 0 sends
+    assert r.by_axis() == {"pipeline": 4 / 8 * 4 * D}
+
+
+def test_disjoint_ppermutes_add_up_to_the_whole_shift(mesh4, x4_8D):
+    def split(x_D):  # one shift 0->1->2->3 in two parts, as when only some stages compress
+        return (lax.ppermute(x_D, "pipeline", [(0, 1)])
+                + lax.ppermute(x_D * 2, "pipeline", [(1, 2), (2, 3)]))
+
+    def whole(x_D):
+        return lax.ppermute(x_D, "pipeline", [(0, 1), (1, 2), (2, 3)])
+
+    r_split, r_whole = _meter(mesh4, x4_8D, split), _meter(mesh4, x4_8D, whole)
+    assert sorted(c.share for c in r_split.collectives) == [1 / 4, 2 / 4]
+    assert _only(r_whole).share == 3 / 4
+    assert r_split.by_axis() == r_whole.by_axis() == {"pipeline": 3 / 4 * 4 * D}
+
+
 def test_bf16_psum_widening_is_noted(mesh, x_8D):
     r = _meter(mesh, x_8D, lambda x: lax.psum(x.astype(jnp.bfloat16), "data").astype(jnp.float32))
     c = _only(r)
@@ -276,7 +374,8 @@ def test_nested_loops_multiply_and_conditions_run_once_more():
     r = wire.from_text(_module(body, NESTED), _FakeMesh())
     counts = {c.name: c.count for c in r.collectives}
     assert counts == {"ar.in": 3 * 4, "cp.cond": 3 * (4 + 1)}
-    assert r.by_axis() == {"data": 12 * 256.0, "pipeline": 15 * 256.0}
+    # only devices 0 and 1 of 8 send in cp.cond's pairs
+    assert r.by_axis() == {"data": 12 * 256.0, "pipeline": 15 * 256.0 * 2 / 8}
     assert not r.notes
 
 
@@ -353,9 +452,140 @@ def test_permute_across_two_axes_and_on_device_permute():
     body = ("  %p = f32[64]{0} parameter(0)\n"
             "  %cp = f32[64]{0} collective-permute(%p), source_target_pairs={{0,6},{6,0}}\n"
             "  ROOT %self = f32[64]{0} collective-permute(%p), source_target_pairs={{3,3}}")
-    cp, self_cp = wire.parse_collectives(_module(body), MESH)
-    assert (cp.axes, cp.group_size, cp.bytes_per_device) == (("data", "tensor"), 4, 256.0)
-    assert (self_cp.axes, self_cp.bytes_per_device) == ((), 0.0)  # nothing leaves the device
+    r = wire.WireReport(wire.parse_collectives(_module(body), MESH))
+    cp, self_cp = r.collectives
+    assert (cp.axes, cp.group_size, cp.bytes_per_device, cp.share) == (("data", "tensor"), 4, 256.0, 2 / 8)
+    assert (self_cp.axes, self_cp.share, self_cp.total_bytes) == ((), 0.0, 0.0)  # nothing leaves
+    # devices 0 and 6 send 256 bytes each; averaged over the 8 devices of the mesh
+    assert r.by_axis() == {"data+tensor": 2 / 8 * 256, "none": 0.0}
+    lines = r.table().splitlines()
+    assert lines[0].split()[6] == "share"
+    assert lines[1].split() == ["collective-permute", "f32", "[64]", "data+tensor", "4", "1", "0.25",
+                                "256", "64"]
+
+
+# one all-reduce per branch, each over its own axis, so by_axis tells the branches apart
+BRANCHES = """
+%b0 (a: f32[64]) -> f32[64] {
+  %a = f32[64]{0} parameter(0)
+  ROOT %ar.data = f32[64]{0} all-reduce(%a), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+}
+
+%b1 (b: f32[64]) -> f32[64] {
+  %b = f32[64]{0} parameter(0)
+  ROOT %ar.tensor = f32[64]{0} all-reduce(%b), replica_groups={{0,2},{1,3},{4,6},{5,7}}, to_apply=%add
+}
+
+%b2 (c: f32[64]) -> f32[64] {
+  %c = f32[64]{0} parameter(0)
+  ROOT %ar.pipe = f32[64]{0} all-reduce(%c), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+}
+"""
+AR = 2 * (1 / 2) * 256  # bytes of one f32[64] all-reduce over a pair
+
+# partition id minus 3, in u32: it wraps below zero, so only ids 3 and 4 are below 2
+OFFSET = ("  %p = f32[64]{0} parameter(0)\n"
+          "  %pid = u32[] partition-id()\n"
+          "  %three = u32[] constant(3)\n"
+          "  %off = u32[] subtract(%pid, %three)\n")
+
+
+def test_branch_index_out_of_range_takes_the_last_branch():
+    body = OFFSET + (
+        "  %idx = s32[] convert(%off)\n"  # ids 0..7 give -3..4: only 3, 4, 5 are in range
+        "  %cond = f32[64]{0} conditional(%idx, %p, %p, %p), branch_computations={%b0, %b1, %b2}\n"
+        "  ROOT %again = f32[64]{0} call(%p), to_apply=%b2")
+    r = wire.from_text(_module(body, BRANCHES), _FakeMesh())
+    shares = {c.name: (c.count, c.share) for c in r.collectives}
+    # b2 runs on 6 of 8 devices in the conditional and on all 8 in the call: 14 of 16 runs
+    assert shares == {"ar.data": (1, 1 / 8), "ar.tensor": (1, 1 / 8), "ar.pipe": (2, 14 / 16)}
+    assert r.by_axis() == {"data": AR / 8, "tensor": AR / 8, "pipeline": AR * (6 / 8 + 1)}
+    assert not r.notes
+
+
+def test_pred_selector_picks_true_then_false_computation():
+    body = OFFSET + (
+        "  %two = u32[] constant(2)\n"
+        "  %lt = pred[] compare(%off, %two), direction=LT\n"
+        "  ROOT %cond = f32[64]{0} conditional(%lt, %p, %p), true_computation=%b0, "
+        "false_computation=%b1")
+    r = wire.from_text(_module(body, BRANCHES), _FakeMesh())
+    assert r.by_axis() == {"data": AR * 2 / 8, "tensor": AR * 6 / 8} and not r.notes
+
+
+@pytest.mark.parametrize("expr,k,ids", [
+    ("divide(%m7, %v1)", -1, {3, 4, 5, 6}),  # rounds toward zero: -7 / 4 is -1, not -2
+    ("remainder(%m7, %v1)", -1, {1, 2, 5}),  # has the dividend's sign
+    ("shift-right-arithmetic(%neg, %one)", -2, {3, 4}),  # sign fills: -3 >> 1 is -2
+    ("add(%max, %v)", -2**31, {1}),  # wraps at 32 bits
+    ("not(%v)", -8, {7}),  # bitwise: -1 - id
+])
+def test_selector_arithmetic_is_exact(expr, k, ids):
+    body = ("  %p = f32[64]{0} parameter(0)\n"
+            "  %pid = u32[] partition-id()\n"
+            "  %v = s32[] convert(%pid)\n"
+            "  %one = s32[] constant(1)\n"
+            "  %v1 = s32[] add(%v, %one)\n"
+            "  %m7 = s32[] constant(-7)\n"
+            "  %neg = s32[] negate(%v)\n"
+            "  %max = s32[] constant(2147483647)\n"
+            f"  %r = s32[] {expr}\n"
+            f"  %k = s32[] constant({k})\n"
+            "  %eq = pred[] compare(%r, %k), direction=EQ\n"
+            "  ROOT %cond = f32[64]{0} conditional(%eq, %p, %p), true_computation=%b0, "
+            "false_computation=%b1")
+    r = wire.from_text(_module(body, BRANCHES), _FakeMesh())
+    assert r.by_axis() == {"data": AR * len(ids) / 8, "tensor": AR * (8 - len(ids)) / 8}
+    assert not r.notes
+
+
+LOOP = """
+%body (s: (s32[], f32[64], s32[])) -> (s32[], f32[64], s32[]) {
+  %s = (s32[], f32[64]{0}, s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = f32[64]{0} get-tuple-element(%s), index=1
+  %sel = s32[] get-tuple-element(%s), index=2
+  %one = s32[] constant(1)
+  %i.next = s32[] add(%i, %one)
+  %y = f32[64]{0} conditional(%sel, %x, %x), branch_computations={%b0, %b1}
+  %sel.next = s32[] SEL_NEXT
+  ROOT %t = (s32[], f32[64]{0}, s32[]) tuple(%i.next, %y, %sel.next)
+}
+
+%loop_cond (q: (s32[], f32[64], s32[])) -> pred[] {
+  %q = (s32[], f32[64]{0}, s32[]) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %five = s32[] constant(5)
+  ROOT %more = pred[] compare(%j, %five), direction=LT
+}
+"""
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_selector_hoisted_out_of_a_loop(invariant):
+    # ids 6 and 7 (id >> 1 == 3) take b1; the selector enters the loop as element 2
+    body = ("  %p = f32[64]{0} parameter(0)\n"
+            "  %pid = u32[] partition-id()\n"
+            "  %one = u32[] constant(1)\n"
+            "  %half = u32[] shift-right-logical(%pid, %one)\n"
+            "  %three = u32[] constant(3)\n"
+            "  %top = pred[] compare(%half, %three), direction=EQ\n"
+            "  %sel = s32[] convert(%top)\n"
+            "  %zero = s32[] constant(0)\n"
+            "  %init = (s32[], f32[64]{0}, s32[]) tuple(%zero, %p, %sel)\n"
+            "  %w = (s32[], f32[64]{0}, s32[]) while(%init), condition=%loop_cond, body=%body, "
+            'backend_config={"known_trip_count":{"n":"5"}}\n'
+            "  ROOT %out = f32[64]{0} get-tuple-element(%w), index=1")
+    # an element the body rewrites is not the value that entered the loop
+    loop = LOOP.replace("SEL_NEXT", "get-tuple-element(%s), index=2" if invariant else "add(%sel, %one)")
+    r = wire.from_text(_module(body, BRANCHES + loop), _FakeMesh())
+    assert {c.name: c.count for c in r.collectives} == {"ar.data": 5, "ar.tensor": 5}
+    if invariant:
+        assert r.by_axis() == {"data": 5 * AR * 6 / 8, "tensor": 5 * AR * 2 / 8} and not r.notes
+    else:
+        assert r.by_axis() == {"data": 5 * AR, "tensor": 5 * AR}
+        assert r.notes == ["2 collective(s) (ar.data, ar.tensor): in a branch of conditional y: "
+                           "counted as if it always runs"]
 
 
 def test_unmeasured_ops_are_noted():
