@@ -49,6 +49,13 @@ def get_config():
             dict(grad="", param="", act="", act_grad=""))
         c.compression.schedule[axis] = ml_collections.ConfigDict(
             dict(grad="", param="", act="", act_grad=""))
+    # Where to compress ("" = everywhere): global layer indices for the blocks'
+    # tensor-parallel all-reduces, pipeline stages for what a stage sends.
+    # E.g. layers.tensor.act="4-7" (later layers only), stages.pipeline.act="0".
+    c.compression.layers = ml_collections.ConfigDict(
+        dict(tensor=ml_collections.ConfigDict(dict(act="", act_grad=""))))
+    c.compression.stages = ml_collections.ConfigDict(
+        dict(pipeline=ml_collections.ConfigDict(dict(act="", act_grad=""))))
 
     c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3))
     return c

@@ -145,30 +145,104 @@ def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, pol):
     return nll_BxL.mean()
 
 
-def _tp_hooks(pol):
+def _tp_hooks(pol, act_on=True, grad_on=True):
     # With a learned autoencoder the Block codes the message itself (jcomp.autoencoder)
     # and the collective moves the code as it is.
     plain = lambda c: "none" if getattr(c, "kind", None) == "learned" else c
     enter = functools.partial(cc.copy_to_parallel, axis_name=TENSOR,
-                              bwd_codec=plain(pol[TENSOR, "act_grad"]))
-    leave = functools.partial(cc.psum, axis_name=TENSOR, codec=plain(pol[TENSOR, "act"]))
+                              bwd_codec=plain(pol[TENSOR, "act_grad"]) if grad_on else "none")
+    leave = functools.partial(cc.psum, axis_name=TENSOR,
+                              codec=plain(pol[TENSOR, "act"]) if act_on else "none")
     return enter, leave
+
+
+def _one_of(stage, stages):
+    """stage in `stages`, as comparisons of the stage index (no lookup table), so
+    that the byte meter can tell which devices take which branch."""
+    return functools.reduce(jnp.logical_or, [stage == s for s in stages])
+
+
+def _stage_runner(layers, cfg, pol, remat):
+    """fn(x) running this stage's layers, with tensor-parallel compression only in
+    the layers that policy.where(tensor, act | act_grad) selects.
+
+    Stage s holds global layers s*Lp .. s*Lp+Lp-1. Runs of local layers whose
+    choice is the same on every stage run as one scan. Where stages differ, a
+    `lax.cond` on the stage index picks the variant: each device runs (and
+    sends) only its own, and every tensor group lies within one stage.
+    """
+    n_stages, stage = lax.axis_size(PIPE), lax.axis_index(PIPE)
+    n_local = jax.tree.leaves(layers)[0].shape[0]
+    on = lambda kind, s, j: pol.compresses(TENSOR, kind, layer=s * n_local + j)
+    choice = [tuple((on("act", s, j), on("act_grad", s, j)) for s in range(n_stages))
+              for j in range(n_local)]
+    ae = autoencoder.parts(pol)
+
+    def run(variant, seg_layers, x):
+        act_on, grad_on = variant
+        enter, leave = _tp_hooks(pol, act_on, grad_on)
+        use_ae = tuple(p for p, on_ in (("out", act_on), ("in", grad_on)) if p in ae and on_)
+        return gpt.apply_layers(seg_layers, x, cfg=cfg, tp_enter=enter, tp_exit=leave,
+                                remat=remat, use_ae=use_ae)
+
+    segments = []  # [(first local layer, end, per-stage variants)]
+    for j, c in enumerate(choice):
+        if segments and segments[-1][2] == c:
+            segments[-1][1] = j + 1
+        else:
+            segments.append([j, j + 1, c])
+
+    def run_stage(x):
+        for j0, j1, per_stage in segments:
+            seg = layers if (j0, j1) == (0, n_local) else jax.tree.map(lambda a: a[j0:j1], layers)
+            variants = list(dict.fromkeys(per_stage))
+            if len(variants) == 1:
+                x = run(variants[0], seg, x)
+                continue
+            branches = [functools.partial(run, v) for v in variants]
+            pick = sum(jnp.where(_one_of(stage, [s for s, v in enumerate(per_stage) if v == w]),
+                                 i, 0) for i, w in enumerate(variants) if i)
+            x = lax.switch(pick, branches, seg, x)
+        return x
+
+    return run_stage
+
+
+def _send(state_bxLxD, pol, n_stages, stage):
+    """Stage s -> s+1 forward (policy[pipeline, act] where stage s compresses),
+    backward s+1 -> s (policy[pipeline, act_grad] where stage s+1 does). Pairs
+    with different codecs travel in separate ppermutes; each device keeps the one
+    it receives."""
+    by_codecs = {}
+    for s in range(n_stages - 1):
+        fwd = pol[PIPE, "act"] if pol.compresses(PIPE, "act", stage=s) else "none"
+        bwd = pol[PIPE, "act_grad"] if pol.compresses(PIPE, "act_grad", stage=s + 1) else "none"
+        by_codecs.setdefault((fwd, bwd), []).append((s, s + 1))
+    if not by_codecs:  # one stage: nothing moves (zeros, as lax.ppermute gives)
+        return lax.ppermute(state_bxLxD, PIPE, [])
+    out = None
+    for (fwd, bwd), pairs in by_codecs.items():
+        moved = cc.ppermute(state_bxLxD, PIPE, pairs, codec=fwd, bwd_codec=bwd)
+        out = moved if out is None else jnp.where(_one_of(stage, [d for _, d in pairs]),
+                                                  moved, out)
+    return out
 
 
 def pipeline_forward(layers, x0_MxbxLxD, cfg, pol, remat):
     """GPipe over the pipeline axis. x0 holds the M microbatches (used on stage 0).
 
     -> outputs_MxbxLxD of the last stage, all-reduced over pipeline so that
-    every stage holds them (invariant over pipeline).
+    every stage holds them (invariant over pipeline). The all-reduce carries the
+    last stage's output and the backward all-reduce of x0's gradient stage 0's
+    input gradient: they compress where those stages do.
     """
     n_stages = lax.axis_size(PIPE)
     stage = lax.axis_index(PIPE)
     n_micro = x0_MxbxLxD.shape[0]
-    enter, leave = _tp_hooks(pol)
-    run_stage = functools.partial(gpt.apply_layers, layers, cfg=cfg, tp_enter=enter,
-                                  tp_exit=leave, remat=remat, use_ae=autoencoder.parts(pol))
-    shift = [(i, i + 1) for i in range(n_stages - 1)]
-    x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE, bwd_codec=pol[PIPE, "act_grad"])
+    pol.check_places(jax.tree.leaves(layers)[0].shape[0] * n_stages, n_stages)
+    run_stage = _stage_runner(layers, cfg, pol, remat)
+    first_bwd = pol[PIPE, "act_grad"] if pol.compresses(PIPE, "act_grad", stage=0) else "none"
+    x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE, bwd_codec=first_bwd)
 
     def tick(t, state_bxLxD, out_MxbxLxD):
         feed = lax.dynamic_index_in_dim(x0_MxbxLxD, jnp.minimum(t, n_micro - 1), 0, False)
@@ -181,20 +255,17 @@ def pipeline_forward(layers, x0_MxbxLxD, cfg, pol, remat):
             out_MxbxLxD, jnp.where(keep, state_bxLxD, old), slot, 0)
         return state_bxLxD, out_MxbxLxD
 
-    def send(state_bxLxD):
-        return cc.ppermute(state_bxLxD, PIPE, shift, codec=pol[PIPE, "act"],
-                           bwd_codec=pol[PIPE, "act_grad"])
-
     def body(carry, t):
         state, out = carry
-        return tick(t, send(state), out), None
+        return tick(t, _send(state, pol, n_stages, stage), out), None
 
     out = jnp.zeros_like(x0_MxbxLxD)
     state, out = tick(0, jnp.zeros_like(x0_MxbxLxD[0]), out)
     n_ticks = n_micro + n_stages - 1
     (state, out), _ = lax.scan(body, (state, out), jnp.arange(1, n_ticks))
     last = jnp.where(stage == n_stages - 1, out, jnp.zeros_like(out))
-    return cc.psum(last, PIPE, codec=pol[PIPE, "act"])
+    last_fwd = pol[PIPE, "act"] if pol.compresses(PIPE, "act", stage=n_stages - 1) else "none"
+    return cc.psum(last, PIPE, codec=last_fwd)
 
 
 def local_loss(params, batch_bxL1, cfg, pol, microbatches: int, remat: bool = False):

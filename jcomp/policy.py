@@ -9,6 +9,13 @@ Kinds of message:
   act       tensor/pipeline activations, forward
   act_grad  gradients of those activations, backward
 
+Where: tensor activations and their gradients may compress in some layers
+only, pipeline sends from some stages only (`Policy.restrict`); every other
+layer or stage sends that kind of message uncompressed.
+
+    pol = pol.restrict({"tensor.act": "4-7", "pipeline.act_grad": "1"})
+    pol.compresses("tensor", "act", layer=2)   # -> False: layer 2 sends raw
+
 Presets:
   baseline  every entry "none": the plain jax.lax program.
   naive     one aggressive codec (int4) on every message of every axis.
@@ -28,6 +35,11 @@ from jcomp import codecs
 AXES = ("data", "tensor", "pipeline")
 KINDS = ("grad", "param", "act", "act_grad")
 PRESETS = ("baseline", "naive", "hybrid")
+# What an entry's places are: global layer indices for tensor-parallel messages
+# (each layer has its own all-reduces), stage indices for pipeline messages (a
+# stage's sends: forward to the next stage, backward to the previous one).
+PLACES = {("tensor", "act"): "layers", ("tensor", "act_grad"): "layers",
+          ("pipeline", "act"): "stages", ("pipeline", "act_grad"): "stages"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +48,7 @@ class Policy:
 
     table: tuple  # ((axis, kind, codec), ...) over every axis and kind
     error_feedback: bool = False
+    only: tuple = ()  # ((axis, kind, (index, ...)), ...): entries compressed there only
 
     def __getitem__(self, axis_kind):
         axis, kind = axis_kind
@@ -67,12 +80,107 @@ class Policy:
                                  "codes tensor-parallel activations only (tensor.act, "
                                  "tensor.act_grad)")
             entries[axis, kind] = codec
-        return Policy(_freeze(entries), self.error_feedback)
+        return dataclasses.replace(self, table=_freeze(entries))
+
+    def where(self, axis, kind) -> tuple | None:
+        """The layers or stages where (axis, kind) compresses; None: everywhere."""
+        _check(axis, kind)
+        return next((idx for a, k, idx in self.only if (a, k) == (axis, kind)), None)
+
+    def compresses(self, axis, kind, *, layer=None, stage=None) -> bool:
+        """Whether (axis, kind) sends its codec at this layer or stage (its place
+        kind, see PLACES); False also when the codec is "none"."""
+        if codecs.parse(self[axis, kind]).kind == "identity":
+            return False
+        idx = self.where(axis, kind)
+        if idx is None:
+            return True
+        place = PLACES[axis, kind]
+        at = {"layers": layer, "stages": stage}[place]
+        if at is None:
+            raise ValueError(f"{axis}.{kind} compresses in some {place} only: pass "
+                             f"{place[:-1]}=")
+        return int(at) in idx
+
+    def restrict(self, places: Mapping[str, Any]) -> "Policy":
+        """Compress some entries only at the given layers or stages, keyed "axis.kind":
+        {"tensor.act": "0-3,6", "pipeline.act": [0]}. A spec is comma-separated
+        indices and inclusive ranges, or a sequence of ints; "" or None lifts the
+        restriction. Allowed keys: PLACES."""
+        only = {(a, k): idx for a, k, idx in self.only}
+        for key, spec in places.items():
+            axis, _, kind = str(key).partition(".")
+            _check(axis, kind, where=f"places {key!r}")
+            if (axis, kind) not in PLACES:
+                raise ValueError(
+                    f"places {key!r}: only {', '.join(f'{a}.{k}' for a, k in PLACES)} can "
+                    "compress in some layers or stages only")
+            idx = parse_indices(spec, f"{key} {PLACES[axis, kind]}")
+            if idx is None:
+                only.pop((axis, kind), None)
+            else:
+                only[axis, kind] = idx
+        return dataclasses.replace(
+            self, only=tuple((a, k, only[a, k]) for a, k in PLACES if (a, k) in only))
+
+    def check_places(self, n_layers: int, n_stages: int):
+        """ValueError naming the entry when a layer or stage index is out of range."""
+        for a, k, idx in self.only:
+            n = n_layers if PLACES[a, k] == "layers" else n_stages
+            bad = [i for i in idx if i >= n]
+            if bad:
+                raise ValueError(f"{PLACES[a, k]}.{a}.{k}={format_indices(bad)}: the model "
+                                 f"has {n} {PLACES[a, k]} (0..{n - 1})")
 
     def __str__(self):
-        rows = [f"{a}: " + ", ".join(f"{k}={c}" for aa, k, c in self.table if aa == a)
-                for a in AXES]
+        rows = [f"{a}: " + ", ".join(f"{k}={c}{places_str(self, a, k)}" for aa, k, c in self.table
+                                     if aa == a) for a in AXES]
         return "; ".join(rows) + f"; error_feedback={self.error_feedback}"
+
+
+def places_str(pol, axis, kind) -> str:
+    """"[layers 4-7]" where (axis, kind) compresses in some places only, else ""."""
+    idx = pol.where(axis, kind) if (axis, kind) in PLACES else None
+    return "" if idx is None else f"[{PLACES[axis, kind]} {format_indices(idx)}]"
+
+
+def parse_indices(spec, field: str) -> tuple | None:
+    """ "0-3,6" or [0, 1, 2, 3, 6] -> (0, 1, 2, 3, 6); "" or None -> None."""
+    if spec is None or (isinstance(spec, str) and not spec.strip()):
+        return None
+    if isinstance(spec, str):
+        out = []
+        for item in spec.split(","):
+            lo, dash, hi = item.strip().partition("-")
+            if not lo.isdigit() or (dash and not hi.isdigit()):
+                raise ValueError(f"{field}={spec!r}: items must be N or N-M (inclusive), "
+                                 "comma-separated, e.g. '0-3,6'")
+            if dash and int(hi) < int(lo):
+                raise ValueError(f"{field}={spec!r}: range {item.strip()} runs backwards")
+            out.extend(range(int(lo), int(hi if dash else lo) + 1))
+    elif isinstance(spec, (list, tuple)):
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in spec):
+            raise ValueError(f"{field}={spec!r}: indices must be ints >= 0")
+        out = list(spec)
+        if not out:
+            raise ValueError(f"{field}=[]: lists no index (to compress nowhere, set the "
+                             "codec to 'none')")
+    else:
+        raise TypeError(f"{field} must be a string like '0-3,6' or a list of ints; got {spec!r}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{field}={spec!r}: an index is listed twice")
+    return tuple(sorted(out))
+
+
+def format_indices(idx) -> str:
+    """(0, 1, 2, 3, 6) -> "0-3,6"."""
+    runs, idx = [], sorted(idx)
+    for i in idx:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _check(axis, kind, where="policy"):

@@ -185,7 +185,7 @@ def is_compressed(pol: policy_lib.Policy) -> bool:
 
 def describe(pol: policy_lib.Policy) -> str:
     """The compressed entries, e.g. "data.grad=int8 tensor.act=int8"; "none" if none."""
-    parts = [f"{a}.{k}={_codec_name(c)}" for a, k, c in pol.table
+    parts = [f"{a}.{k}={_codec_name(c)}{policy_lib.places_str(pol, a, k)}" for a, k, c in pol.table
              if codecs.parse(c).kind != "identity"]
     return " ".join(parts) or "none"
 

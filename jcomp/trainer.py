@@ -88,9 +88,15 @@ def build_policy(comp) -> policy_lib.Policy:
                 overrides[f"{axis}.{kind}"] = spec
     ef = {"auto": None, "on": True, "off": False}[comp.error_feedback]
     try:
-        return policy_lib.build(comp.policy, overrides, ef)
+        pol = policy_lib.build(comp.policy, overrides, ef)
     except (TypeError, ValueError) as e:
         raise UsageError(f"compression: {e}") from None
+    for (axis, kind), place in policy_lib.PLACES.items():
+        try:
+            pol = pol.restrict({f"{axis}.{kind}": comp[place][axis][kind]})
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"compression.{place}.{axis}.{kind}: {e}") from None
+    return pol
 
 
 def build_phases(comp) -> list:
@@ -160,6 +166,10 @@ def validate(cfg, n_devices: int):
         if dim > model_cfg.d_model:
             raise UsageError(f"compression.tensor.{kind}: ae dim={dim} exceeds "
                              f"model.d_model={model_cfg.d_model}")
+    try:
+        pol.check_places(model_cfg.n_layers, mesh_shape[mesh_lib.AXES[2]])
+    except ValueError as e:
+        raise UsageError(f"compression.{e}") from None
     return model_cfg, shape, pol
 
 

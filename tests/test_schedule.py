@@ -128,21 +128,25 @@ def test_apply_updates_refuses_a_phase_powersgd_the_state_was_not_built_for():
         optimizer.apply_updates({}, {}, zstate, compress="int8", **kw)
 
 
-def test_train_py_rejects_a_bad_schedule_in_one_line(tmp_path):
+@pytest.mark.parametrize("override,field,why", [
+    ("schedule.data.grad=int8@10,int4@5", "compression.schedule.data.grad", "strictly increase"),
+    ("layers.tensor.act=1-2", "compression.layers.tensor.act=2", "has 2 layers"),
+    ("stages.pipeline.act=0-", "compression.stages.pipeline.act", "N or N-M")])
+def test_train_py_rejects_a_bad_schedule_or_place_in_one_line(tmp_path, override, field, why):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={tmp_path / 'w'}",
-         "--config.compression.schedule.data.grad=int8@10,int4@5"],
+         "--config.compression.policy=hybrid", f"--config.compression.{override}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "compression.schedule.data.grad" in lines[0], proc.stderr
+    assert len(lines) == 1 and field in lines[0] and why in lines[0], proc.stderr
     assert not (tmp_path / "w").exists()
 
 
 # ------------------------------------------------------------ training run
 
-def _tiny(steps, **schedule_specs):
+def _tiny(steps, layers_tensor_act="", **schedule_specs):
     cfg = tiny_config()
     cfg.train.update(steps=steps, log_every=1)
     cfg.data.update(val_permille=0)  # no eval: only the train-step variants compile
@@ -150,6 +154,7 @@ def _tiny(steps, **schedule_specs):
     cfg.optim.update(warmup_steps=0)
     # Without residuals the state layout is the plain run's, so every byte compares.
     cfg.compression.update(policy="baseline", error_feedback="off")
+    cfg.compression.layers.tensor.act = layers_tensor_act
     for key, spec in schedule_specs.items():
         axis, kind = key.split("__")
         cfg.compression.schedule[axis][kind] = spec
@@ -164,7 +169,8 @@ def _records(workdir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A plain uncompressed run, and the same with data.grad compressed from step
-    index 1 (record 2) and tensor.act from index 2 (record 3)."""
+    index 1 (record 2) and tensor.act from index 2 (record 3), in layer 1 only
+    (pipeline stage 1 of 2: stage 0 sends its tensor all-reduces raw)."""
     from jcomp import trainer
     base_dir = str(tmp_path_factory.mktemp("plain"))
     trainer.train_and_evaluate(_tiny(1), base_dir)
@@ -175,7 +181,8 @@ def runs(tmp_path_factory):
     log.setLevel(logging.INFO)
     log.addHandler(handler)
     try:
-        trainer.train_and_evaluate(_tiny(3, data__grad="bf16@1", tensor__act="int8@2"), sched_dir)
+        trainer.train_and_evaluate(_tiny(3, layers_tensor_act="1", data__grad="bf16@1",
+                                         tensor__act="int8@2"), sched_dir)
     finally:
         log.removeHandler(handler)
         log.setLevel(old)
@@ -200,12 +207,15 @@ def test_collectives_stay_uncompressed_until_each_entry_starts(runs):
     assert d1 < d0 and (t1, p1) == (t0, p0)
     d2, t2, p2 = wire(rec[3])
     assert d2 == d1 and t2 < t0 and p2 == p0
+    # Stage 1's layer compresses inside a conditional on the stage: charged to the
+    # devices that take each branch, not counted as if both ran.
+    assert "conditional" not in rec[3].get("wire_notes", ""), rec[3]["wire_notes"]
 
 
 def test_each_phase_is_named_in_metrics_and_the_log_on_its_first_step(runs):
     _, rec, lines = runs
     assert [rec[s].get("compression") for s in (1, 2, 3)] == [
-        "none", "data.grad=bf16", "data.grad=bf16 tensor.act=int8"]
+        "none", "data.grad=bf16", "data.grad=bf16 tensor.act=int8[layers 1]"]
     assert [rec[s].get("compression_changes") for s in (1, 2, 3)] == [
         None, "data.grad=none->bf16", "tensor.act=none->int8"]
     assert [rec[s]["compressed"] for s in (1, 2, 3)] == [False, True, True]

@@ -1,0 +1,72 @@
+"""The policy table: presets, overrides, and where an entry compresses."""
+import pytest
+
+from jcomp import codecs, policy
+
+
+def test_presets_follow_their_recipes():
+    assert all(codecs.parse(c).kind == "identity" for _, _, c in policy.preset("baseline").table)
+    hybrid = policy.preset("hybrid")
+    assert str(hybrid["data", "grad"]) == "int4" and hybrid.error_feedback
+    assert {str(hybrid[a, k]) for a in ("tensor", "pipeline") for k in ("act", "act_grad")} == {"int8"}
+    with pytest.raises(ValueError, match="unknown policy preset 'fast'.*baseline, naive, hybrid"):
+        policy.preset("fast")
+
+
+@pytest.mark.parametrize("spec,want", [("4-7", (4, 5, 6, 7)), ("0-1, 6", (0, 1, 6)), ("3", (3,)),
+                                       ([5, 1], (1, 5)), ("", None), (None, None)])
+def test_parse_indices(spec, want):
+    assert policy.parse_indices(spec, "layers") == want
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("a-3", r"layers='a-3': items must be N or N-M"), ("-2", "items must be N or N-M"),
+    ("5-2", "range 5-2 runs backwards"), ("1,1", "listed twice"), ([], "lists no index"),
+    ([1, -1], "ints >= 0"), ([True], "ints >= 0")])
+def test_parse_indices_rejects_bad_specs(spec, match):
+    with pytest.raises(ValueError, match=match):
+        policy.parse_indices(spec, "layers")
+    with pytest.raises(TypeError, match="a string like '0-3,6' or a list of ints"):
+        policy.parse_indices(3, "layers")
+
+
+def test_format_indices_round_trips():
+    for idx in [(0, 1, 2, 3, 6), (1,), (0, 2, 4), (3, 4, 5, 9, 10)]:
+        assert policy.parse_indices(policy.format_indices(idx), "x") == idx
+    assert policy.format_indices((0, 1, 2, 3, 6)) == "0-3,6"
+
+
+def test_restrict_compresses_only_the_named_layers_and_stages():
+    pol = policy.preset("hybrid").restrict({"tensor.act": "4-7", "pipeline.act_grad": [1]})
+    assert pol.where("tensor", "act") == (4, 5, 6, 7) and pol.where("tensor", "act_grad") is None
+    assert [pol.compresses("tensor", "act", layer=i) for i in (3, 4, 7)] == [False, True, True]
+    assert pol.compresses("tensor", "act_grad", layer=0)  # unrestricted: everywhere
+    assert not pol.compresses("pipeline", "act_grad", stage=0)
+    assert pol.compresses("pipeline", "act_grad", stage=1)
+    with pytest.raises(ValueError, match="compresses in some layers only: pass layer="):
+        pol.compresses("tensor", "act")
+    # A codec of "none" compresses nowhere, selected or not.
+    assert not policy.preset("baseline").restrict({"tensor.act": "0"}).compresses(
+        "tensor", "act", layer=0)
+    # "" lifts a restriction; replace (a schedule's phases) keeps it.
+    assert pol.restrict({"tensor.act": ""}).where("tensor", "act") is None
+    assert pol.replace({"data.grad": "int8"}).where("tensor", "act") == (4, 5, 6, 7)
+    assert "act=int8[layers 4-7]" in str(pol) and "act_grad=int8[stages 1]" in str(pol)
+
+
+@pytest.mark.parametrize("key,match", [
+    ("data.grad", "only tensor.act, tensor.act_grad, pipeline.act, pipeline.act_grad can"),
+    ("tensor.param", "only tensor.act"), ("model.act", "unknown mesh axis 'model'"),
+    ("tensor.acts", "unknown message kind 'acts'")])
+def test_restrict_rejects_entries_without_places(key, match):
+    with pytest.raises(ValueError, match=match):
+        policy.preset("hybrid").restrict({key: "0"})
+
+
+def test_check_places_names_the_entry_and_the_range():
+    pol = policy.preset("hybrid").restrict({"tensor.act": "6-8", "pipeline.act": "0"})
+    pol.check_places(n_layers=9, n_stages=1)
+    with pytest.raises(ValueError, match=r"layers.tensor.act=8: the model has 8 layers \(0..7\)"):
+        pol.check_places(n_layers=8, n_stages=1)
+    with pytest.raises(ValueError, match=r"stages.pipeline.act=2-3: the model has 2 stages"):
+        policy.preset("hybrid").restrict({"pipeline.act": "0-3"}).check_places(8, 2)
