@@ -13,6 +13,7 @@ Exit codes: 0 done (or stopped by SIGTERM/SIGINT after saving), 1 stopped on a
 non-finite loss, 2 bad configuration or input (one line on stderr).
 """
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -88,5 +89,23 @@ def main(argv):
         jax.distributed.shutdown()
 
 
+def _parse_flags(argv):
+    # A config override naming a field that does not exist (or a value of the wrong
+    # type) raises from inside flag parsing, before main: one line and exit 2.
+    try:
+        return FLAGS(argv)
+    except KeyError as e:
+        text = str(e.args[0] if e.args else e)
+        field = (re.findall(r"'([^']+)'", text) or [text])[0]
+        hint = re.search(r'Did you mean "([^"]+)"', text)
+        names = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+        where = next((n for n in names if f".{field}." in n + "." or n.endswith(f".{field}")),
+                     "a --config override")
+        _fail(f"{where}: the config has no field {field!r}"
+              + (f" (did you mean {hint.group(1)!r}?)" if hint else ""))
+    except (flags.Error, AttributeError, TypeError, ValueError) as e:
+        _fail(str(e))
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -100,6 +100,32 @@ def compressed_what(run: dict) -> str:
     return ", ".join(parts)
 
 
+# The meter charges a collective-permute to its senders only from this commit on;
+# bytes recorded by runs trained before it count every device as a sender.
+METER_SENDERS_COMMIT = "86f605c"
+
+
+def _before_sender_meter(commit: str | None) -> bool:
+    if not commit:
+        return True
+    proc = subprocess.run(["git", "merge-base", "--is-ancestor", METER_SENDERS_COMMIT, commit],
+                          cwd=ROOT, capture_output=True)
+    return proc.returncode != 0
+
+
+def meter_note(runs) -> str | None:
+    old = [r["name"] for r in runs if _before_sender_meter(r.get("git_commit"))]
+    if not old:
+        return None
+    return (f"Wire bytes are as metered when each run trained. {len(old)} of these runs "
+            f"({', '.join(old[:4])}{', ...' if len(old) > 4 else ''}) trained before commit "
+            f"{METER_SENDERS_COMMIT}, whose meter charged each stage-to-stage send to every "
+            "device of the mesh; it is now charged to the device that sends it, which on a "
+            "2-stage mesh halves the permute part of the pipeline column (the baseline of "
+            "configs/base.py: 2.00 MiB -> 1.50 MiB of pipeline bytes per step). A codec's "
+            "pipeline byte ratio to the baseline is unchanged when act and act_grad share it.")
+
+
 def convergence_section(summary: dict, rel_dir: str) -> str:
     runs = summary["runs"]
     m = summary["model"]
@@ -117,6 +143,9 @@ def convergence_section(summary: dict, rel_dir: str) -> str:
              *[human_bytes(r["wire_bytes"][a]) for a in AXES], human_bytes(r["wire_bytes_total"]),
              fmt(r.get("byte_ratio"), ".3f"), (r.get("git_commit") or "-")[:7]] for r in runs]
     out.append(table(header, rows))
+    note = meter_note(runs)
+    if note:
+        out += ["", note]
     for group, png in summary.get("plots", {}).items():
         out.append(f"\n![{group} loss curves]({rel_dir}/{png}) `{rel_dir}/{png}`")
     return "\n".join(out)

@@ -131,7 +131,8 @@ def test_apply_updates_refuses_a_phase_powersgd_the_state_was_not_built_for():
 @pytest.mark.parametrize("override,field,why", [
     ("schedule.data.grad=int8@10,int4@5", "compression.schedule.data.grad", "strictly increase"),
     ("layers.tensor.act=1-2", "compression.layers.tensor.act=2", "has 2 layers"),
-    ("stages.pipeline.act=0-", "compression.stages.pipeline.act", "N or N-M")])
+    ("stages.pipeline.act=0-", "compression.stages.pipeline.act", "N or N-M"),
+    ("stages.data.grad=0", "--config.compression.stages.data.grad", "has no field 'data'")])
 def test_train_py_rejects_a_bad_schedule_or_place_in_one_line(tmp_path, override, field, why):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
