@@ -1,6 +1,7 @@
 """Convergence of compressed training on real text, against the uncompressed baseline.
 
-    python benchmarks/convergence.py [--suite main|ablation|sweep|all] [--steps 150]
+    python benchmarks/convergence.py [--suite main|ablation|sweep|variants|places|all]
+                                     [--steps 150]
                                      [--config configs/base.py] [--only NAME ...]
                                      [--out benchmarks/results/convergence] [--quick]
 
@@ -17,6 +18,9 @@ Every run is `python train.py` in a subprocess with its own workdir under
             pipeline act/act_grad together at int8, int4, int2; tensor
             act/act_grad through a learned autoencoder (ae:dim=32)
   variants  hybrid with other data-gradient and activation-gradient codecs
+  places    int2 on tensor (act, act_grad) in every layer, in layers 0-1 only
+            and in layers 2-3 only; int2 on pipeline from both stages, from
+            stage 0 only and from stage 1 only (compression.layers / .stages)
 
 Every suite also runs the baseline, the reference for gaps and byte ratios.
 A finished run (its metrics.jsonl has a record of the last step) is skipped;
@@ -55,10 +59,11 @@ sys.path.insert(0, ROOT)
 from jcomp import metrics as metrics_lib  # noqa: E402
 
 AXES = ("data", "tensor", "pipeline")
-SUITES = ("main", "ablation", "sweep", "variants")
+SUITES = ("main", "ablation", "sweep", "variants", "places")
 GRAD_SWEEP = ("int8", "int4", "int2", "topk:0.1", "topk:0.01")
 ACT_SWEEP = ("int8", "int4", "int2")
 PSGD = "powersgd:rank=4"
+PLACES_CODEC = "int2"
 AE_DIM = 32  # a quarter of configs/base.py's d_model: int8's byte ratio, in float32
 COMMIT_FILE = "git_commit.txt"  # in each run's workdir: the commit that trained it
 DEFAULT_OUT = os.path.join("benchmarks", "results", "convergence")
@@ -102,6 +107,18 @@ def run_specs() -> list[dict]:
                              {"data.grad": "int8", "tensor.act_grad": "int4"}, "off")):
         runs.append(dict(name=name, suite="variants", group="main", policy="hybrid",
                          overrides=extra, error_feedback=ef))
+    # Which layers and stages to compress: int2 (strong enough to hurt in a short
+    # run) everywhere on one axis, then on half of its layers or stages.
+    half = {"tensor": ("layers", ("0-1", "2-3")), "pipeline": ("stages", ("0", "1"))}
+    for axis, (place, parts) in half.items():
+        codec = {f"{axis}.{k}": PLACES_CODEC for k in ("act", "act_grad")}
+        runs.append(dict(name=f"{axis}_{PLACES_CODEC}", suite="places", group="places",
+                         policy="baseline", overrides=codec, error_feedback="off"))
+        for part in parts:
+            where = {f"{place}.{axis}.{k}": part for k in ("act", "act_grad")}
+            runs.append(dict(name=f"{axis}_{PLACES_CODEC}_{place}_{part}", suite="places",
+                             group="places", policy="baseline", overrides={**codec, **where},
+                             error_feedback="off"))
     return runs
 
 
@@ -289,7 +306,7 @@ def _git_commit() -> str | None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--suite", default="main", help="main, ablation, sweep or all")
+    p.add_argument("--suite", default="main", help=", ".join(SUITES) + " or all")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 150)")
     p.add_argument("--eval-every", type=int, default=None, help="steps between val_loss (steps/5)")
     p.add_argument("--warmup", type=int, default=None, help="learning-rate warm-up steps (steps/10)")

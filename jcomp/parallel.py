@@ -16,11 +16,13 @@ Layout:
             With `ae:dim=A` (jcomp.autoencoder) the blocks code those
             all-reduces themselves; the autoencoder weights whose gradients
             differ per tensor rank are summed once per step over tensor with
-            policy[tensor, grad].
+            policy[tensor, grad]. `Policy.restrict` may leave some layers'
+            all-reduces uncompressed (`_stage_runner`).
   pipeline  Layers are split into contiguous stages. A GPipe schedule runs
             M microbatches through the stages in M + P - 1 ticks; activations
             move stage to stage with `cc.ppermute` (policy[pipeline, act]
-            forward, policy[pipeline, act_grad] backward).
+            forward, policy[pipeline, act_grad] backward), or raw where the
+            sending stage is not among those `Policy.restrict` selects.
             Embedding and head are replicated over pipeline: every stage looks
             up the embedding (only stage 0 feeds it in; its gradient comes
             back with a compressed all-reduce of activation gradients), and the

@@ -173,6 +173,13 @@ def test_suites_and_bad_arguments():
     assert {"act_int2", "grad_powersgd_r4", "act_ae32"} <= set(sweep)
     assert names("variants")[0] == "baseline" and "hybrid_grad_int8_tensor_ag_int4" in names(
         "variants")
+    assert names("places") == ["baseline", "tensor_int2", "tensor_int2_layers_0-1",
+                               "tensor_int2_layers_2-3", "pipeline_int2",
+                               "pipeline_int2_stages_0", "pipeline_int2_stages_1"]
+    late = next(s for s in conv.run_specs() if s["name"] == "tensor_int2_layers_2-3")
+    assert {"--config.compression.tensor.act=int2", "--config.compression.layers.tensor.act=2-3",
+            "--config.compression.layers.tensor.act_grad=2-3"} <= set(
+        conv.train_args(late, "configs/base.py", 100, 20, 10))
     ae = next(s for s in conv.run_specs() if s["name"] == "act_ae32")
     assert "--config.compression.tensor.act_grad=ae:dim=32" in conv.train_args(
         ae, "configs/base.py", 100, 20, 10)

@@ -163,28 +163,26 @@ def _loss_and_grads(pol, shape, reference, remat=False):
     return float(loss), jax.tree.leaves(grads)
 
 
-@pytest.mark.parametrize("act,act_grad,mirror,remat", [
-    ("2-5", "", ("0-1,6-7", ""), True), ("0,7", "1-6", ("1-6", "0,7"), False)])
-def test_layer_selection_is_the_same_model_with_and_without_pipeline_stages(
-        reference, act, act_grad, mirror, remat):
+def test_layer_selection_is_the_same_model_with_and_without_pipeline_stages(reference):
     """With 2 stages of 4 layers, each stage picks its own variant per layer (a
     conditional on the stage); with 1 stage the choice is static. Same codec per
     layer and the same data and tensor split: the gradients must agree far more
-    closely than with the mirrored selection or with int8 everywhere.
+    closely than with the mirrored selection.
 
     Not bit-exact: XLA compiles a conditional's branches as computations of
     their own, so a sum can round differently in the last bit, and an int8 code
     that lands on the other side of a rounding boundary moves by a whole step
-    (measured: 2e-7 to 6e-4, against 1.3e-2 for the wrong selection)."""
+    (measured: 2e-7 to 6e-4, against 1.3e-2 for the mirrored selection)."""
     int8 = policy.preset("baseline").replace({"tensor.act": "int8", "tensor.act_grad": "int8"})
-    pol = int8.restrict({"tensor.act": act, "tensor.act_grad": act_grad})
-    piped, flat = (_loss_and_grads(pol, s, reference, remat) for s in ((2, 2, 2), (2, 2, 1)))
-    others = [_loss_and_grads(int8, (2, 2, 1), reference), _loss_and_grads(
-        int8.restrict({"tensor.act": mirror[0], "tensor.act_grad": mirror[1]}), (2, 2, 1),
-        reference)]
+    # Layers 0 and 7 differ between the stages' first and last layers (conditionals),
+    # layers 1-2 and 5-6 agree (static scans); remat recomputes the branches.
+    pol = int8.restrict({"tensor.act": "0,7", "tensor.act_grad": "1-6"})
+    piped, flat = (_loss_and_grads(pol, s, reference, remat=True) for s in ((2, 2, 2), (2, 2, 1)))
+    other = _loss_and_grads(int8.restrict({"tensor.act": "1-6", "tensor.act_grad": "0,7"}),
+                            (2, 2, 1), reference, remat=True)
     dist = lambda a, b: max(_rel(x, y) for x, y in zip(a[1], b[1]))
-    same, nearest_other = dist(piped, flat), min(dist(piped, o) for o in others)
-    assert same <= 0.1 * nearest_other, (same, nearest_other)
+    same, to_other = dist(piped, flat), dist(piped, other)
+    assert same <= 0.1 * to_other, (same, to_other)
     assert abs(piped[0] - flat[0]) <= 1e-5 * abs(flat[0])
 
 
@@ -200,15 +198,10 @@ def test_layer_selection_bytes_are_exactly_the_selected_layers(reference):
     every = rep({}).by_axis()["tensor"]
     d2 = rep({"tensor.act": "1-3,5-7"}).by_axis()["tensor"] - every
     assert d2 > 0
-    for sel, off in [({"tensor.act": "4-7"}, 4), ({"tensor.act": "2-5"}, 4),
-                     ({"tensor.act": "0,7"}, 6)]:
+    for sel, off in [({"tensor.act": "0,7"}, 6)]:
         r = rep(sel)
         assert not [n for n in r.notes if "conditional" in n], r.notes
         assert r.by_axis()["tensor"] == pytest.approx(every + off / 2 * d2, rel=1e-12), sel
-    g2 = rep({"tensor.act_grad": "1-3,5-7"}).by_axis()["tensor"] - every
-    assert g2 > 0
-    assert rep({"tensor.act_grad": "0-2"}).by_axis()["tensor"] == pytest.approx(
-        every + 5 / 2 * g2, rel=1e-12)
 
 
 def test_stage_selection_sends_compressed_only_from_the_selected_stages(reference):
@@ -224,7 +217,7 @@ def test_stage_selection_sends_compressed_only_from_the_selected_stages(referenc
     for kind in ("act", "act_grad"):
         none = rep(int8.replace({f"pipeline.{kind}": "none"})).by_axis()["pipeline"]
         every = rep(int8).by_axis()["pipeline"]
-        for part in ("0,3", "1"):
+        for part in ("0,3",):
             rest = policy.format_indices(sorted(set(range(4)) - set(map(int, part.split(",")))))
             one, other = (rep(int8.restrict({f"pipeline.{kind}": s})).by_axis()["pipeline"]
                           for s in (part, rest))

@@ -171,7 +171,8 @@ def _records(workdir):
 def runs(tmp_path_factory):
     """A plain uncompressed run, and the same with data.grad compressed from step
     index 1 (record 2) and tensor.act from index 2 (record 3), in layer 1 only
-    (pipeline stage 1 of 2: stage 0 sends its tensor all-reduces raw)."""
+    (pipeline stage 1 of 2: stage 0 sends its tensor all-reduces raw). The
+    scheduled run saves at steps 2 and 3."""
     from jcomp import trainer
     base_dir = str(tmp_path_factory.mktemp("plain"))
     trainer.train_and_evaluate(_tiny(1), base_dir)
@@ -181,13 +182,14 @@ def runs(tmp_path_factory):
     old = log.level
     log.setLevel(logging.INFO)
     log.addHandler(handler)
+    cfg = _tiny(3, layers_tensor_act="1", data__grad="bf16@1", tensor__act="int8@2")
+    cfg.checkpoint.update(every=2)
     try:
-        trainer.train_and_evaluate(_tiny(3, layers_tensor_act="1", data__grad="bf16@1",
-                                         tensor__act="int8@2"), sched_dir)
+        trainer.train_and_evaluate(cfg, sched_dir)
     finally:
         log.removeHandler(handler)
         log.setLevel(old)
-    return _records(base_dir)[1], _records(sched_dir), handler.lines
+    return _records(base_dir)[1], _records(sched_dir), handler.lines, (cfg, sched_dir)
 
 
 class _Lines(logging.Handler):
@@ -200,7 +202,7 @@ class _Lines(logging.Handler):
 
 
 def test_collectives_stay_uncompressed_until_each_entry_starts(runs):
-    plain, rec, _ = runs
+    plain, rec, _, _ = runs
     wire = lambda r: (r["wire_bytes_data"], r["wire_bytes_tensor"], r["wire_bytes_pipeline"])
     d0, t0, p0 = wire(plain)
     assert wire(rec[1]) == (d0, t0, p0)
@@ -214,7 +216,7 @@ def test_collectives_stay_uncompressed_until_each_entry_starts(runs):
 
 
 def test_each_phase_is_named_in_metrics_and_the_log_on_its_first_step(runs):
-    _, rec, lines = runs
+    _, rec, lines, _ = runs
     assert [rec[s].get("compression") for s in (1, 2, 3)] == [
         "none", "data.grad=bf16", "data.grad=bf16 tensor.act=int8[layers 1]"]
     assert [rec[s].get("compression_changes") for s in (1, 2, 3)] == [
@@ -222,6 +224,25 @@ def test_each_phase_is_named_in_metrics_and_the_log_on_its_first_step(runs):
     assert [rec[s]["compressed"] for s in (1, 2, 3)] == [False, True, True]
     assert any("step 2" in l and "data.grad=none->bf16" in l for l in lines), lines
     assert any("step 3" in l and "tensor.act=none->int8" in l for l in lines), lines
+
+
+
+def test_resuming_mid_schedule_enters_the_phase_in_force_and_retraces_the_run(runs):
+    """Resumed from step 2 (data.grad=bf16 since index 1), the next step is the
+    one where tensor.act starts: it compiles that phase and reproduces the
+    uninterrupted run's record bit for bit."""
+    import shutil
+
+    from jcomp import trainer
+    _, rec, _, (cfg, workdir) = runs
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "3"))
+    trainer.train_and_evaluate(cfg, workdir)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        resumed = [json.loads(line) for line in f][len(rec):]
+    assert [r["step"] for r in resumed] == [3]
+    assert resumed[0]["loss"] == rec[3]["loss"]
+    assert resumed[0]["compression"] == rec[3]["compression"]
+    assert all(resumed[0][k] == rec[3][k] for k in rec[3] if k.startswith("wire_bytes"))
 
 
 def test_an_uncompressed_phase_flushes_residuals_into_the_sum():
@@ -250,3 +271,4 @@ def test_an_uncompressed_phase_flushes_residuals_into_the_sum():
     new, m = fn(state, batch)
     assert bool(m["finite"]) and float(m["ef_norm"]) == 0.0
     assert all(not jnp.any(r) for r in jax.tree.leaves(new["zero"]["ef"]))
+
