@@ -172,7 +172,8 @@ def test_layer_selection_is_the_same_model_with_and_without_pipeline_stages(refe
     Not bit-exact: XLA compiles a conditional's branches as computations of
     their own, so a sum can round differently in the last bit, and an int8 code
     that lands on the other side of a rounding boundary moves by a whole step
-    (measured: 2e-7 to 6e-4, against 1.3e-2 for the mirrored selection)."""
+    (measured here: 4.4e-4, against 1.5e-2 for the mirrored selection; 2e-7 to
+    6e-4 across other selections)."""
     int8 = policy.preset("baseline").replace({"tensor.act": "int8", "tensor.act_grad": "int8"})
     # Layers 0 and 7 differ between the stages' first and last layers (conditionals),
     # layers 1-2 and 5-6 agree (static scans); remat recomputes the branches.
@@ -207,23 +208,22 @@ def test_layer_selection_bytes_are_exactly_the_selected_layers(reference):
 def test_stage_selection_sends_compressed_only_from_the_selected_stages(reference):
     """Pipeline of 4 stages. A stage's messages are its forward send (the last
     stage: the output all-reduce) and its backward send (the first stage: the
-    embedding-gradient all-reduce). Each stage's share adds up exactly, and a
-    selected boundary travels in a permute of its own, charged to its senders."""
+    embedding-gradient all-reduce). Each (stage, kind) message is compressed in
+    exactly one of two complementary selections, so their bytes add up to the
+    all-compressed run's plus the uncompressed one's. A selected boundary
+    travels in a permute of its own, charged to its senders."""
     params, batch, _, _ = reference
     m = _mesh((1, 2, 4))
     int8 = policy.preset("baseline").replace({"pipeline.act": "int8",
                                               "pipeline.act_grad": "int8"})
-    rep = lambda pol: _compiled_report(m, pol, params, batch)
-    for kind in ("act", "act_grad"):
-        none = rep(int8.replace({f"pipeline.{kind}": "none"})).by_axis()["pipeline"]
-        every = rep(int8).by_axis()["pipeline"]
-        for part in ("0,3",):
-            rest = policy.format_indices(sorted(set(range(4)) - set(map(int, part.split(",")))))
-            one, other = (rep(int8.restrict({f"pipeline.{kind}": s})).by_axis()["pipeline"]
-                          for s in (part, rest))
-            assert none > one and none > other and one > every
-            assert one + other == pytest.approx(every + none, rel=1e-12), (kind, part)
-    r = rep(int8.restrict({"pipeline.act": "1", "pipeline.act_grad": "2"}))
+    pipe = lambda pol: _compiled_report(m, pol, params, batch).by_axis()["pipeline"]
+    none, every = pipe(policy.preset("baseline")), pipe(int8)
+    one = pipe(int8.restrict({"pipeline.act": "0,3", "pipeline.act_grad": "1-2"}))
+    other = pipe(int8.restrict({"pipeline.act": "1-2", "pipeline.act_grad": "0,3"}))
+    assert none > one > every and none > other > every
+    assert one + other == pytest.approx(every + none, rel=1e-12)
+    r = _compiled_report(m, int8.restrict({"pipeline.act": "1", "pipeline.act_grad": "2"}),
+                         params, batch)
     permutes = sorted((c.dtype, c.share) for c in r.collectives if c.kind == "collective-permute")
     # Forward 1->2 and backward 2->1 carry int8 codes (u8) and their f32 scales, from
     # 2 of the 8 devices each; the other boundaries' raw f32 sends come from 4.

@@ -92,13 +92,19 @@ def _n_params_tiny():
 
 def test_hybrid_cuts_data_axis_traffic_to_a_quarter(tmp_path):
     """Measured by the byte meter on the compiled step and written to metrics."""
-    small = ["--config.train.steps=1", "--config.optim.warmup_steps=0",
+    # d_model 64: at tiny's 32 the block padding and f32 scales of the many small
+    # arrays (biases, norms) take the ratio past a quarter (0.27).
+    small = ["--config=configs/tiny.py", "--config.train.steps=1", "--config.optim.warmup_steps=0",
              "--config.train.eval_every=100", "--config.model.d_model=64",
              "--config.model.d_ff=256"]
-    for name in ("baseline", "hybrid"):
-        proc = run(str(tmp_path / name), f"--config=configs/{name}.py", *small,
-                   "--config.model.n_layers=2", "--config.data.seq_len=64")
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    # The two runs are independent: side by side they take the time of one.
+    procs = {name: subprocess.Popen(
+        [sys.executable, "train.py", f"--workdir={tmp_path / name}", *small,
+         f"--config.compression.policy={name}"], cwd=ROOT, env=_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name in ("baseline", "hybrid")}
+    for proc in procs.values():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
     base = first_record(str(tmp_path / "baseline"))["wire_bytes_data"]
     hybrid = first_record(str(tmp_path / "hybrid"))["wire_bytes_data"]
     assert hybrid <= base / 4, (hybrid, base)
