@@ -203,7 +203,8 @@ def convergence_claims(summary: dict) -> list[str]:
                        f"{o['name']} ({o['byte_ratio']:.3f}, gap {_num(o['gap_pct']):+.2f}%): "
                        f"{better} has the lower loss.")
     out += best_claims(summary["runs"]) + data_codec_claims(by) + ae_claims(by)
-    out += ef_claims(by) + act_claims(by) + ablation_claims(by) + noise_claims(by)
+    out += ef_claims(by) + act_claims(by) + ablation_claims(by) + places_claims(by)
+    out += noise_claims(by)
     return out
 
 
@@ -309,6 +310,25 @@ def ablation_claims(by: dict) -> list[str]:
     detail = "; ".join(f"{r['name'][5:]}: gap {_num(r['gap_pct']):+.2f}%, saves "
                        f"{saved[r['name'][5:]]:.1%} of the bytes" for r in rows)
     return [f"One axis compressed at a time: {detail}. Compressing {top} alone saves the most."]
+
+
+def places_claims(by: dict) -> list[str]:
+    """One axis's codec everywhere against the same codec in part of its layers or stages."""
+    out = []
+    for axis in ("tensor", "pipeline"):
+        whole = next((r for n, r in by.items() if n.startswith(f"{axis}_")
+                      and "_layers_" not in n and "_stages_" not in n
+                      and r.get("gap_pct") is not None), None)
+        parts = [r for n, r in by.items() if n.startswith(f"{axis}_")
+                 and ("_layers_" in n or "_stages_" in n) and r.get("gap_pct") is not None]
+        if not whole or not parts:
+            continue
+        line = lambda r: (f"{r['name']} gap {_num(r['gap_pct']):+.2f}% at "
+                          f"{r['byte_ratio_by_axis'][axis]:.3f} of the {axis} bytes")
+        best = min(parts, key=lambda r: _num(r["gap_pct"]))
+        out.append(f"Where to compress {axis}: {line(whole)}; " + "; ".join(map(line, parts))
+                   + f". Of the halves, {best['name']} costs the least loss.")
+    return out
 
 
 # ---------------------------------------------------------------- projection

@@ -231,6 +231,22 @@ def test_best_setting_and_data_codec_claims():
     assert "grad_powersgd_r4: 0.380 of the data bytes, gap +20.00%" in data
 
 
+def test_places_claims_name_the_cheapest_half():
+    def run(name, gap, tensor, pipeline):
+        return dict(name=name, gap_pct=gap,
+                    byte_ratio_by_axis={"data": 1.0, "tensor": tensor, "pipeline": pipeline})
+    by = {r["name"]: r for r in [
+        run("baseline", 0.0, 1.0, 1.0), run("tensor_int2", 9.0, 0.07, 1.0),
+        run("tensor_int2_layers_0-1", 6.0, 0.53, 1.0), run("tensor_int2_layers_2-3", 2.0, 0.53, 1.0),
+        run("pipeline_int2", 3.0, 1.0, 0.07), run("pipeline_int2_stages_0", 1.0, 1.0, 0.5)]}
+    tensor, pipeline = report.places_claims(by)
+    assert tensor.startswith("Where to compress tensor: tensor_int2 gap +9.00% at 0.070")
+    assert tensor.endswith("Of the halves, tensor_int2_layers_2-3 costs the least loss.")
+    assert "tensor_int2_layers_0-1 gap +6.00% at 0.530 of the tensor bytes" in tensor
+    assert "pipeline_int2_stages_0 costs the least" in pipeline
+    assert report.places_claims({"baseline": by["baseline"]}) == []
+
+
 def test_projection_claims_compare_order_and_bound():
     def row(total, comm):
         return dict(total_s=total, comm_s={"data": comm, "tensor": 0.0, "pipeline": 0.0},

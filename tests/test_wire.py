@@ -13,14 +13,22 @@ ALL = P(AXES)  # each device holds its own slice of a 1-D array
 D = 1024  # float32 elements per device: 4096 bytes
 
 
+def _mesh(shape):
+    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+
+
+def _slices(m):
+    return jax.device_put(jnp.arange(8 * D, dtype=jnp.float32), NamedSharding(m, ALL))
+
+
 @pytest.fixture(scope="module")
 def mesh():
-    return jax.make_mesh((2, 2, 2), AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+    return _mesh((2, 2, 2))
 
 
 @pytest.fixture(scope="module")
 def x_8D(mesh):
-    return jax.device_put(jnp.arange(8 * D, dtype=jnp.float32), NamedSharding(mesh, ALL))
+    return _slices(mesh)
 
 
 def _meter(mesh, x, f_D, jit=True):
@@ -120,12 +128,12 @@ def test_psum_in_loop_counts_every_trip(mesh, x_8D, loop, trips):
 @pytest.fixture(scope="module")
 def mesh4():
     """A pipeline of 4 stages, for selectors with more than two outcomes."""
-    return jax.make_mesh((1, 2, 4), AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+    return _mesh((1, 2, 4))
 
 
 @pytest.fixture(scope="module")
 def x4_8D(mesh4):
-    return jax.device_put(jnp.arange(8 * D, dtype=jnp.float32), NamedSharding(mesh4, ALL))
+    return _slices(mesh4)
 
 
 # two branches that cannot be merged: an s32[256] psum (1,024 bytes on a tensor pair) and
