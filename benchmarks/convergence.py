@@ -268,14 +268,14 @@ def collect(out: str, steps: int, args_of) -> list[dict]:
 
 
 def draw_plots(out: str, runs: list[dict]) -> dict:
-    """{group: png path relative to out} for the main and sweep groups present."""
+    """{group: png path relative to out} for the main, sweep and places groups present."""
     plots = {}
     by_name = {r["name"]: r for r in runs}
     for group, png in (("main", "main_loss.png"), ("sweep_grad", "sweep_grad_loss.png"),
-                       ("sweep_act", "sweep_act_loss.png")):
+                       ("sweep_act", "sweep_act_loss.png"), ("places", "places_loss.png")):
         names = [r["name"] for r in runs if r["group"] == group]
-        if not names:
-            continue
+        if not names or (names == ["baseline"] and len({r["group"] for r in runs}) > 1):
+            continue  # the baseline alone is drawn beside each other group instead
         if group != "main" and "baseline" in by_name:
             names = ["baseline"] + names
         paths = [os.path.join(ROOT, by_name[n]["workdir"], metrics_lib.METRICS_FILE) for n in names]
