@@ -35,6 +35,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jcomp import codecs
+
 VALID_FORM = ("ae:dim=A[:init=orthogonal|normal][:rest=CODEC] (A an int >= 1; CODEC one of "
               "none, bf16, fp16, fp8, int8, int4, int2)")
 INITS = ("orthogonal", "normal")
@@ -84,14 +86,7 @@ def parse(spec) -> Autoencoder:
     name, *opts = [p.strip() for p in spec.strip().lower().split(":")]
     if name != "ae":
         raise _bad(spec, f"it must start with 'ae', not {name!r}")
-    fields = {}
-    for opt in opts:
-        key, eq, value = opt.partition("=")
-        if key not in ("dim", "init", "rest") or not eq:
-            raise _bad(spec, f"unknown option {opt!r}")
-        if key in fields:
-            raise _bad(spec, f"option {key!r} given twice")
-        fields[key] = value
+    fields = codecs.key_value_options(opts, ("dim", "init", "rest"), lambda why: _bad(spec, why))
     if "dim" not in fields:
         raise _bad(spec, "dim is missing")
     try:

@@ -657,6 +657,20 @@ def _block_sr_options(spec, opts, *, allow_sr: bool):
     return block, sr
 
 
+def key_value_options(opts, keys, bad) -> dict[str, str]:
+    """Reads options `key=value`, each of `keys` at most once -> {key: value text}.
+    `bad(why)` makes the ValueError (it names the spec and its valid form)."""
+    fields = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if key not in keys or not eq:
+            raise bad(f"unknown option {opt!r}")
+        if key in fields:
+            raise bad(f"option {key!r} given twice")
+        fields[key] = value
+    return fields
+
+
 def _fraction_option(spec, name: str, opts) -> float:
     """Reads the single fraction option F of topk/randk, 0 < F <= 1."""
     if len(opts) != 1:

@@ -154,12 +154,13 @@ def callees(instr: Instr) -> list[tuple[str, int, str, int | None]]:
 def multiplicities(comps: dict[str, list[Instr]], entry: str, ndev: int):
     """Runs per call, runs per call on each partition id, and caveats of every
     computation reachable from `entry`."""
+    calls = {name: [(instr, callees(instr)) for instr in instrs] for name, instrs in comps.items()}
     order, seen = [], set()
 
     def visit(name: str):  # post-order DFS; HLO call graphs are acyclic
         seen.add(name)
-        for instr in comps[name]:
-            for callee, _, _, _ in callees(instr):
+        for _, edges in calls[name]:
+            for callee, _, _, _ in edges:
                 if callee in comps and callee not in seen:
                     visit(callee)
         order.append(name)
@@ -167,8 +168,8 @@ def multiplicities(comps: dict[str, list[Instr]], entry: str, ndev: int):
     visit(entry)
     callers: dict[str, list[tuple[str, Instr, int | None]]] = {}
     for name in order:
-        for instr in comps[name]:
-            for callee, _, _, branch in callees(instr):
+        for instr, edges in calls[name]:
+            for callee, _, _, branch in edges:
                 callers.setdefault(callee, []).append((name, instr, branch))
     selector = _Selector(comps, callers)
     counts = {name: 0 for name in order}
@@ -176,9 +177,11 @@ def multiplicities(comps: dict[str, list[Instr]], entry: str, ndev: int):
     caveats: dict[str, set[str]] = {name: set() for name in order}
     counts[entry], runs[entry][:] = 1, 1.0
     for name in reversed(order):  # callers before callees
-        for instr in comps[name]:
-            picks = selector.picks(name, instr, ndev) if instr.opcode == "conditional" else None
-            for callee, factor, caveat, branch in callees(instr):
+        for instr, edges in calls[name]:
+            n_branches = sum(branch is not None for _, _, _, branch in edges)
+            picks = (selector.picks(name, instr, ndev, n_branches)
+                     if instr.opcode == "conditional" else None)
+            for callee, factor, caveat, branch in edges:
                 if callee in counts:
                     taken = 1.0
                     if branch is not None and picks is not None:
@@ -284,9 +287,9 @@ class _Selector:
         self.callers = callers  # computation -> [(calling computation, instruction, branch)]
         self.memo: dict = {}  # per partition id: a selector may reuse a value many times
 
-    def picks(self, comp: str, cond: Instr, ndev: int) -> np.ndarray | None:
-        """The branch each partition id takes, or None where that is not known exactly."""
-        n = len([b for _, _, _, b in callees(cond) if b is not None])
+    def picks(self, comp: str, cond: Instr, ndev: int, n: int) -> np.ndarray | None:
+        """The branch (of `n`) each partition id takes, or None where that is not
+        known exactly."""
         try:
             sel = self.instrs[comp][_split_args(cond)[0][0]]
             values = []

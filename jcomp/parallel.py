@@ -217,9 +217,8 @@ def _send(state_bxLxD, pol, n_stages, stage):
     it receives."""
     by_codecs = {}
     for s in range(n_stages - 1):
-        fwd = pol[PIPE, "act"] if pol.compresses(PIPE, "act", stage=s) else "none"
-        bwd = pol[PIPE, "act_grad"] if pol.compresses(PIPE, "act_grad", stage=s + 1) else "none"
-        by_codecs.setdefault((fwd, bwd), []).append((s, s + 1))
+        fwd_bwd = (pol.codec_at(PIPE, "act", stage=s), pol.codec_at(PIPE, "act_grad", stage=s + 1))
+        by_codecs.setdefault(fwd_bwd, []).append((s, s + 1))
     if not by_codecs:  # one stage: nothing moves (zeros, as lax.ppermute gives)
         return lax.ppermute(state_bxLxD, PIPE, [])
     out = None
@@ -243,8 +242,8 @@ def pipeline_forward(layers, x0_MxbxLxD, cfg, pol, remat):
     n_micro = x0_MxbxLxD.shape[0]
     pol.check_places(jax.tree.leaves(layers)[0].shape[0] * n_stages, n_stages)
     run_stage = _stage_runner(layers, cfg, pol, remat)
-    first_bwd = pol[PIPE, "act_grad"] if pol.compresses(PIPE, "act_grad", stage=0) else "none"
-    x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE, bwd_codec=first_bwd)
+    x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE,
+                                     bwd_codec=pol.codec_at(PIPE, "act_grad", stage=0))
 
     def tick(t, state_bxLxD, out_MxbxLxD):
         feed = lax.dynamic_index_in_dim(x0_MxbxLxD, jnp.minimum(t, n_micro - 1), 0, False)
@@ -266,8 +265,7 @@ def pipeline_forward(layers, x0_MxbxLxD, cfg, pol, remat):
     n_ticks = n_micro + n_stages - 1
     (state, out), _ = lax.scan(body, (state, out), jnp.arange(1, n_ticks))
     last = jnp.where(stage == n_stages - 1, out, jnp.zeros_like(out))
-    last_fwd = pol[PIPE, "act"] if pol.compresses(PIPE, "act", stage=n_stages - 1) else "none"
-    return cc.psum(last, PIPE, codec=last_fwd)
+    return cc.psum(last, PIPE, codec=pol.codec_at(PIPE, "act", stage=n_stages - 1))
 
 
 def local_loss(params, batch_bxL1, cfg, pol, microbatches: int, remat: bool = False):

@@ -102,6 +102,11 @@ class Policy:
                              f"{place[:-1]}=")
         return int(at) in idx
 
+    def codec_at(self, axis, kind, *, layer=None, stage=None):
+        """The codec (axis, kind) sends at this layer or stage: its own where it
+        compresses, "none" elsewhere."""
+        return self[axis, kind] if self.compresses(axis, kind, layer=layer, stage=stage) else "none"
+
     def restrict(self, places: Mapping[str, Any]) -> "Policy":
         """Compress some entries only at the given layers or stages, keyed "axis.kind":
         {"tensor.act": "0-3,6", "pipeline.act": [0]}. A spec is comma-separated

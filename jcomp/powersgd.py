@@ -108,16 +108,10 @@ def parse(spec) -> PowerSGD:
     name, *opts = [p.strip() for p in spec.strip().lower().split(":")]
     if name != "powersgd":
         raise _bad(spec, f"it must start with 'powersgd', not {name!r}")
-    fields = {}
-    keys = {"rank": "rank", "factor": "factor_codec", "fallback": "fallback",
-            "min_compression": "min_compression"}
-    for opt in opts:
-        key, eq, value = opt.partition("=")
-        if key not in keys or not eq:
-            raise _bad(spec, f"unknown option {opt!r}")
-        if keys[key] in fields:
-            raise _bad(spec, f"option {key!r} given twice")
-        fields[keys[key]] = value
+    fields = codecs.key_value_options(opts, ("rank", "factor", "fallback", "min_compression"),
+                                      lambda why: _bad(spec, why))
+    if "factor" in fields:
+        fields["factor_codec"] = fields.pop("factor")
     if "rank" not in fields:
         raise _bad(spec, "rank is missing")
     try:
