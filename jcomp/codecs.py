@@ -585,6 +585,17 @@ class RandK:
         return f"{self.name}:{self.fraction!r}"
 
 
+def fit(codec, m: int):
+    """`codec` for rows of m elements: a block quantizer whose block is longer
+    than the row gets the shortest block that covers it (whole bytes of codes),
+    so a short row is not padded to a full block; every other codec as it is."""
+    block = getattr(codec, "block", None)
+    if block is None or m >= block:
+        return codec
+    per = 8 // codec.bits if isinstance(codec, IntQuant) else 1
+    return dataclasses.replace(codec, block=max(-(-int(m) // per) * per, per))
+
+
 # -------------------------------------------------------------------- specs
 
 

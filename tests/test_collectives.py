@@ -411,8 +411,10 @@ def test_error_feedback_restores_sgd_convergence_under_int2(mesh):
     SGD's stability limit here, feedback diverges). (With Adam, feedback at this strength can hurt instead:
     the per-coordinate normalisation magnifies released residuals; see
     benchmarks/RESULTS.md.)"""
+    # 512 unknowns: each of the 2 owners codes a full 256-element block (a shorter
+    # vector gets a shorter block, whose finer scales hide the stall).
     rng = np.random.default_rng(0)
-    n, rows = 96, 96
+    n, rows = 512, 512
     a_DxRxN = jnp.asarray(rng.normal(size=(2, rows, n)), jnp.float32)
     w_star = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
     b_DxR = jnp.einsum("drn,n->dr", a_DxRxN, w_star)

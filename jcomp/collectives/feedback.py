@@ -1,0 +1,72 @@
+"""Error feedback: a collective that sends codec(x + residual) and returns what
+that left unsent, for the caller to add to the next step's x."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jcomp.collectives import kernels
+from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES, bucketed
+
+
+def psum_ef(x, residual, axis_name, *, codec, key=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """Error-feedback all-reduce for gradients: sends codec(x + residual).
+
+    -> (sum over the axis, new residual) where new residual = (x + residual) minus
+    what this device's contribution was sent as. Carry the residual from step to
+    step (same shape as x); start from zeros. Not differentiable (use on gradients).
+    """
+    def send(buf, axes, c, k):
+        return kernels.allreduce(buf, axes, c, k, op="psum_ef")
+
+    def done(got, leaf):
+        total, sent = got
+        return total.reshape(leaf.shape), sent.reshape(leaf.shape)
+
+    return _ef(x, residual, axis_name, codec, key, bucket_bytes, lambda leaf: leaf.reshape(1, -1),
+               send, done, lambda leaf: lax.psum(leaf, axis_name))
+
+
+def psum_scatter_ef(x, residual, axis_name, *, scatter_dimension=0, tiled=False, codec,
+                    key=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """Error-feedback reduce-scatter (ZeRO gradients). -> (shard of the sum, new residual)."""
+    n = lax.axis_size(kernels.axes_of(axis_name))
+
+    def rows(leaf):
+        return kernels.rows_along(leaf, n, scatter_dimension % leaf.ndim, tiled, "psum_scatter_ef")
+
+    def send(buf, axes, c, k):
+        return kernels.reduce_scatter(buf, axes, c, k, op="psum_scatter_ef")
+
+    def done(got, leaf):
+        total, sent = got
+        rows_N = rows(leaf)
+        sent_N = sent.reshape(rows_N.shape)
+        return (total.reshape(rows_N.shape[1:]).astype(leaf.dtype),
+                kernels.stack_along(sent_N, scatter_dimension % leaf.ndim, tiled))
+
+    return _ef(x, residual, axis_name, codec, key, bucket_bytes,
+               lambda leaf: rows(leaf).reshape(n, -1), send, done,
+               lambda leaf: lax.psum_scatter(leaf, axis_name, scatter_dimension=scatter_dimension,
+                                             tiled=tiled))
+
+
+def _ef(x, residual, axis_name, codec, key, bucket_bytes, to_rows, send, done, exact):
+    c = kernels.parse(codec)
+    axes = kernels.axes_of(axis_name)
+    if c.kind == "identity" or lax.axis_size(axes) == 1:
+        total = jax.tree.map(lambda a, r: exact(a + r), x, residual)
+        return total, jax.tree.map(jnp.zeros_like, residual)
+    kernels.check_key(key, c)
+    leaves, treedef = jax.tree.flatten(x)
+    res_leaves = treedef.flatten_up_to(residual)
+    corrected = [lax.stop_gradient(kernels.vary(leaf + res.astype(leaf.dtype), axes))
+                 for leaf, res in zip(leaves, res_leaves)]
+    got = bucketed(corrected, lambda leaf: (leaf, axes), to_rows, done,
+                   lambda buf, live, k: send(buf, live, c, kernels.device_key(k, live, c)),
+                   key, bucket_bytes)
+    outs = [t for t, _ in got]
+    news = [(cor.astype(jnp.float32) - sent).astype(res.dtype)
+            for cor, (_, sent), res in zip(corrected, got, res_leaves)]
+    return jax.tree.unflatten(treedef, outs), jax.tree.unflatten(treedef, news)

@@ -1,0 +1,308 @@
+"""Coded collective kernels on flat rows, and the choice between coded and raw.
+
+Every kernel works on 2-D rows `x_RxM` (R = 1 or the axis size n, M elements
+per row) inside `shard_map`, over `axes` (a tuple of mesh axis names the value
+varies over):
+
+  allreduce(x_1xM)       -> (sum 1xM, what this device was sent as 1xM f32)
+  reduce_scatter(x_NxM)  -> (row r of the sum 1xM f32, what was sent NxM f32)
+  gather(x_1xM, to)      -> NxM (row i from device i)
+  permute(x_1xM, perm)   -> 1xM
+  exchange(x_NxM)        -> NxM (row i from device i)
+
+`plan(...)` decides, from static shapes alone, whether the codec sends fewer
+bytes than the uncompressed rows. Where it cannot, the kernel runs the
+`jax.lax` op on the raw rows inside a `jax.named_scope` named
+`RAW_SCOPE.format(codec)`, which the compiled program keeps in each
+instruction's metadata (`jcomp.wire` reports those collectives as raw), and
+warns once per call site. Nothing is sent larger than uncompressed.
+
+A codec's payload (codes, scales, indices) travels as one uint8 buffer per
+row: one collective instead of one per payload leaf, at the same bytes.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jcomp import codecs as _codecs
+
+RAW_SCOPE = "jcomp_raw({})"
+
+
+class RawSendWarning(UserWarning):
+    """A compressed collective sends its operand uncompressed: the codec cannot
+    send fewer bytes at this size (see `jcomp.collectives.kernels.plan`)."""
+
+
+def _caller_level() -> int:
+    """stacklevel of the first frame outside jcomp.collectives and jax."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(
+            ("jcomp.collectives", "jax", "contextlib")):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_raw(op: str, codec, elements: int, n: int, dtype):
+    warnings.warn(
+        f"jcomp.collectives.{op}: codec {str(codec)!r} cannot send fewer bytes than the "
+        f"uncompressed operand ({elements} {jnp.dtype(dtype).name} elements per row over "
+        f"{n} devices); this call sends it raw", RawSendWarning, stacklevel=_caller_level())
+
+
+def vary(x, axes):
+    """`x` marked varying over those of `axes` it does not vary over yet."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def axes_of(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def parse(codec):
+    """A codec these collectives can send with; the others are refused loudly
+    rather than replaced by an uncompressed collective."""
+    c = _codecs.parse(codec)
+    if c.kind == "lowrank":
+        raise ValueError(f"codec {c} compresses data-parallel gradients through "
+                         "jcomp.powersgd.reduce (or the optimizer), not a collective")
+    if c.kind == "learned":
+        raise ValueError(f"codec {c} is a learned autoencoder whose weights are model "
+                         "parameters; jcomp.parallel applies it inside the model's blocks")
+    return c
+
+
+def check_key(key, *codecs):
+    for c in codecs:
+        if c.needs_key and key is None:
+            raise ValueError(
+                f"codec {str(c)!r} draws random numbers: pass key= (a jax.random key)")
+
+
+def device_key(key, axes, codec):
+    """Per-device randomness: stochastic rounding must not repeat across devices.
+    Rand-k keeps one key for all devices so every device picks the same entries."""
+    if key is None or codec.name == "randk":
+        return key
+    return jax.random.fold_in(key, lax.axis_index(axes))
+
+
+def rows_along(x, n, dim, tiled, what):
+    """Splits `x` along `dim` into n pieces (psum_scatter's and all_to_all's split) -> [n, *piece]."""
+    if tiled:
+        if x.shape[dim] % n:
+            raise ValueError(f"{what}: dimension {dim} of size {x.shape[dim]} "
+                             f"is not divisible by the axis size {n}")
+        x = x.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1:])
+    elif x.shape[dim] != n:
+        raise ValueError(f"{what}: dimension {dim} has size {x.shape[dim]}; "
+                         f"tiled=False needs the axis size {n}")
+    return jnp.moveaxis(x, dim, 0)
+
+
+def stack_along(rows_N, dim, tiled):
+    """Inverse of `rows_along`: [n, *piece] -> the pieces placed along `dim`."""
+    placed = jnp.moveaxis(rows_N, 0, dim)
+    if not tiled:
+        return placed
+    shape = list(rows_N.shape[1:])
+    shape[dim] *= rows_N.shape[0]
+    return placed.reshape(shape)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def chunk_len(codec, m: int, n: int) -> int:
+    """Elements per owner chunk of an all-reduce of m elements over n devices."""
+    per_owner = max(-(-m // n), 1)
+    return _round_up(per_owner, _codecs.fit(codec, per_owner).row_multiple)
+
+
+def plan(op: str, codec, rows: int, m: int, n: int, dtype):
+    """The codec (fitted to the row length) `op` sends `rows` x `m` elements with,
+    or None where it cannot send fewer bytes than the raw elements."""
+    if codec.kind == "identity":
+        return None
+    raw = rows * m * jnp.dtype(dtype).itemsize
+    if op == "allreduce":
+        c = chunk_len(codec, m, n)
+        fitted = _codecs.fit(codec, c)
+        coded = fitted.wire_bytes((n, c), dtype)
+    else:
+        fitted = _codecs.fit(codec, m)
+        coded = fitted.wire_bytes((rows, m), dtype)
+    return fitted if coded < raw else None
+
+
+# ---------------------------------------------------------------- payloads
+
+def _view(codec, m: int) -> tuple:
+    """The shape a row of m elements is coded in: (m/u, u), or (m,) if u does not
+    divide m. Blocks code independently, so the bytes are those of one row; kept
+    in that shape up to the collective, XLA:CPU's fused encode and decode
+    vectorise (a reshape to a flat row inside the packing fusion of int4/int2
+    was seen to emit scalar loops 3-4x slower)."""
+    u = codec.row_multiple
+    return (m // u, u) if codec.kind == "dense" and u > 1 and m % u == 0 else (m,)
+
+
+def encode(codec, x_RxM, key):
+    r, m = x_RxM.shape
+    return codec.encode(x_RxM.reshape((r,) + _view(codec, m)), key=key)
+
+
+def decode(codec, payload, r: int, m: int, dtype):
+    return codec.decode(payload, (r,) + _view(codec, m), dtype).reshape(r, m)
+
+
+def _as_bytes(payload):
+    """A payload as one uint8 buffer [R, bytes] and the function that restores it."""
+    leaves, treedef = jax.tree.flatten(payload)
+    if len(leaves) == 1:
+        return leaves[0], lambda buf: jax.tree.unflatten(treedef, [buf])
+    parts, metas = [], []
+    for a in leaves:
+        b = a if a.dtype == jnp.uint8 else lax.bitcast_convert_type(a, jnp.uint8)
+        parts.append(b.reshape(a.shape[0], -1))
+        metas.append((a.shape[1:], a.dtype, parts[-1].shape[1]))
+
+    def restore(buf_RxB):
+        r, out, off = buf_RxB.shape[0], [], 0
+        for tail, dtype, nbytes in metas:
+            piece = buf_RxB[:, off:off + nbytes]
+            off += nbytes
+            size = jnp.dtype(dtype).itemsize
+            if size == 1:
+                out.append(piece.reshape((r,) + tail))
+            else:
+                out.append(lax.bitcast_convert_type(piece.reshape((r,) + tail + (size,)), dtype))
+        return jax.tree.unflatten(treedef, out)
+
+    return jnp.concatenate(parts, axis=1), restore
+
+
+def _send(payload, op):
+    buf, restore = _as_bytes(payload)
+    return restore(op(buf))
+
+
+def _all_to_all(payload, axes):
+    return _send(payload, lambda a: lax.all_to_all(a, axes, 0, 0, tiled=True))
+
+
+def _all_gather(payload, axes, to):
+    return _send(payload, lambda a: lax.all_gather(a, axes, axis=0, tiled=True, to=to))
+
+
+def _sum_rows(codec, payload, n: int, m: int):
+    """The n decoded rows of `payload` summed in float32 -> [m]."""
+    if codec.kind == "sparse":
+        values, indices = payload["values"], payload["indices"]
+        return jnp.zeros((m,), jnp.float32).at[indices.reshape(-1)].add(
+            values.reshape(-1).astype(jnp.float32))
+    rows = [codec.decode(jax.tree.map(lambda a: a[i], payload), _view(codec, m), jnp.float32)
+            for i in range(n)]
+    return _add_all(rows).reshape(m)
+
+
+def _add_all(rows):
+    """Sum of same-shaped arrays as a tree of elementwise adds: XLA:CPU compiles a
+    reduction over the leading axis of a fused decode 7-10x slower."""
+    while len(rows) > 1:
+        pairs = [a + b for a, b in zip(rows[0::2], rows[1::2])]
+        rows = pairs + rows[len(pairs) * 2:]
+    return rows[0]
+
+
+def _split(key, n=2):
+    return (None,) * n if key is None else tuple(jax.random.split(key, n))
+
+
+# ---------------------------------------------------------------- kernels
+
+def _raw(op, codec, m, n, dtype, fn, *args):
+    """The lax op on the raw rows; for a real codec, marked and warned about."""
+    if codec.kind == "identity":
+        return fn(*args)
+    warn_raw(op, codec, m, n, dtype)
+    with jax.named_scope(RAW_SCOPE.format(codec)):
+        return fn(*args)
+
+
+def allreduce(x_1xM, axes, codec, key, *, op="psum"):
+    """Sum over `axes` -> (1xM in x's dtype, 1xM f32 that this device's x was sent as).
+
+    Owners: device j sums chunk j of every device (all_to_all of coded chunks,
+    float32 sum), re-codes it and all_gathers the coded sums. Sparse codecs take
+    each chunk's top entries in both phases: 2F of the raw bytes at any n."""
+    n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
+    fitted = plan("allreduce", codec, 1, m, n, dtype)
+    if fitted is None:
+        return _raw(op, codec, m, n, dtype, lax.psum, x_1xM, axes), x_1xM.astype(jnp.float32)
+    c = chunk_len(codec, m, n)
+    x_flat = x_1xM.reshape(-1)
+    if n * c != m:
+        x_flat = jnp.pad(x_flat, (0, n * c - m))
+    k1, k2 = _split(key)
+    payload = encode(fitted, x_flat.reshape(n, c), k1)
+    own_C = _sum_rows(fitted, _all_to_all(payload, axes), n, c)
+    gathered = _all_gather(encode(fitted, own_C[None], k2), axes, "invarying")
+    total_NxC = decode(fitted, gathered, n, c, jnp.float32)
+    # The owner also re-codes its sum; charging that error to the owner's row keeps
+    # "sum of what was sent == total" exact, so error feedback repairs both phases.
+    # (Only error feedback reads `sent`; elsewhere XLA removes its computation.)
+    me = lax.axis_index(axes)
+    shortfall_C = lax.dynamic_index_in_dim(total_NxC, me, 0, keepdims=False) - own_C
+    mine_Nx1 = (jnp.arange(n) == me)[:, None]
+    sent_NxC = decode(fitted, payload, n, c, jnp.float32) + jnp.where(
+        mine_Nx1, shortfall_C[None], 0.0)
+    total = total_NxC.reshape(1, -1)[:, :m].astype(dtype)
+    return total, sent_NxC.reshape(1, -1)[:, :m]
+
+
+def reduce_scatter(x_NxM, axes, codec, key, *, op="psum_scatter"):
+    """Row j of every device's x_NxM summed onto device j -> (1xM f32, sent NxM f32)."""
+    n, m, dtype = x_NxM.shape[0], x_NxM.shape[1], x_NxM.dtype
+    fitted = plan("reduce_scatter", codec, n, m, n, dtype)
+    if fitted is None:
+        total = _raw(op, codec, m, n, dtype, lambda a: lax.psum_scatter(a, axes, scatter_dimension=0,
+                                                           tiled=True), x_NxM)
+        return total.astype(jnp.float32), x_NxM.astype(jnp.float32)
+    payload = encode(fitted, x_NxM, key)
+    total = _sum_rows(fitted, _all_to_all(payload, axes), n, m)
+    return total[None], decode(fitted, payload, n, m, jnp.float32)
+
+
+def gather(x_1xM, axes, codec, key, to, *, op="all_gather"):
+    """Every device's row -> NxM of x's dtype; invariant over `axes` if to="invarying"."""
+    n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
+    fitted = plan("gather", codec, 1, m, n, dtype)
+    if fitted is None:
+        return _raw(op, codec, m, n, dtype, lambda a: lax.all_gather(a, axes, axis=0, tiled=True, to=to),
+                    x_1xM)
+    return decode(fitted, _all_gather(encode(fitted, x_1xM, key), axes, to), n, m, dtype)
+
+
+def permute(x_1xM, axes, codec, key, perm, *, op="ppermute"):
+    n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
+    fitted = plan("permute", codec, 1, m, n, dtype)
+    if fitted is None:
+        return _raw(op, codec, m, n, dtype, lax.ppermute, x_1xM, axes, perm)
+    moved = _send(encode(fitted, x_1xM, key), lambda a: lax.ppermute(a, axes, perm))
+    return decode(fitted, moved, 1, m, dtype)
+
+
+def exchange(x_NxM, axes, codec, key, *, op="all_to_all"):
+    n, m, dtype = x_NxM.shape[0], x_NxM.shape[1], x_NxM.dtype
+    fitted = plan("exchange", codec, n, m, n, dtype)
+    if fitted is None:
+        return _raw(op, codec, m, n, dtype, lambda a: lax.all_to_all(a, axes, 0, 0, tiled=True), x_NxM)
+    return decode(fitted, _all_to_all(encode(fitted, x_NxM, key), axes), n, m, dtype)

@@ -1,0 +1,204 @@
+"""jcomp.collectives at users' sizes: raw sends, bucketing, pmean, invariant
+operands, check_vma=False and remat names."""
+import importlib.util
+import pathlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jcomp import collectives as cc
+from jcomp import wire
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _mesh(n):
+    return jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:n])
+
+
+def _put(mesh, x, spec=P("x")):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _sizes_module():
+    spec = importlib.util.spec_from_file_location("bench_sizes", ROOT / "benchmarks" / "sizes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_cell_sends_more_than_lax_except_named_raw_sends():
+    """The smallest form of `benchmarks/collectives.py --sizes`: every op, three
+    codecs, sizes 1 to 4096 on an axis of 4, each cell read from its compiled
+    program. Raw cells must send exactly lax's bytes and be named raw."""
+    sizes = _sizes_module()
+    rows = sizes.sweep((1, 7, 100, 4096), (4,), ("int8", "topk:0.1", "int2"), log=lambda *a, **k: None)
+    assert sizes.violations(rows) == []
+    by = {(r["op"], r["codec"], r["elements"]): r for r in rows}
+    assert by["psum", "int8", 1]["raw"] and by["psum", "int8", 1]["ratio"] == 1.0
+    # A 7-element psum over 4 owners codes 2-element blocks, not 256-element ones.
+    assert by["psum", "int8", 7]["ratio"] < 1.0 and not by["psum", "int8", 7]["raw"]
+    assert by["all_gather", "int8", 4096]["ratio"] <= 0.26
+    # Sparse psum costs 2F at this n too (all-gathering every device's entries would be nF).
+    assert by["psum", "topk:0.1", 4096]["ratio"] <= 0.21
+
+
+def test_raw_send_warns_once_per_call_site_and_is_noted():
+    mesh = _mesh(4)
+    x = _put(mesh, jnp.arange(8.0))  # 2 elements per device: int8 cannot win
+
+    def f(x):
+        return cc.psum(x, "x", codec="int8")
+
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P()))
+    with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        rep = wire.measure(fn, x, mesh=mesh)
+        np.testing.assert_array_equal(np.asarray(fn(x)), np.asarray(x).reshape(4, 2).sum(0))
+    raw = [w for w in seen if issubclass(w.category, cc.RawSendWarning)]
+    assert len(raw) == 1 and "int8" in str(raw[0].message) and "raw" in str(raw[0].message)
+    assert raw[0].filename == __file__  # the user's line, not jcomp's
+    assert any("send raw" in n and "int8" in n for n in rep.notes), rep.notes
+    assert [c.dtype for c in rep.collectives] == ["f32"]
+
+
+def test_codec_none_is_lax_bitwise_for_pytrees_and_pmean():
+    mesh = _mesh(4)
+    rng = np.random.default_rng(0)
+    tree = {"a": _put(mesh, jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)),
+            "b": _put(mesh, jnp.asarray(rng.normal(size=(4,)), jnp.float32))}
+
+    def run(lib):
+        def body(t):
+            s = lib.psum(t, "x")
+            m = lib.pmean(t, "x")
+            return jax.tree.map(lambda a, b: (a * b).sum(), s, m)
+
+        def loss(t):
+            out = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P())(t)
+            return out["a"] + out["b"]
+
+        return jax.jit(jax.value_and_grad(loss))(tree)
+
+    with jax.set_mesh(mesh):
+        got, want = run(cc), run(lax)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_pytree_psum_is_bucketed_into_one_message_per_phase():
+    """Twelve leaves with int8: one all_to_all and one all_gather, not 24 (or 48 with
+    codes and scales apart); each leaf's sum as accurate as alone."""
+    mesh = _mesh(4)
+    rng = np.random.default_rng(1)
+    shapes = [(4 * (i + 1), 64) for i in range(12)]
+    tree = [_put(mesh, jnp.asarray(rng.normal(size=s), jnp.float32)) for s in shapes]
+    body = lambda t: cc.psum(t, "x", codec="int8")
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P()))
+    with jax.set_mesh(mesh):
+        rep = wire.measure(fn, tree, mesh=mesh)
+        got = fn(tree)
+        small = jax.jit(jax.shard_map(lambda t: cc.psum(t, "x", codec="int8", bucket_bytes=1),
+                                      mesh=mesh, in_specs=P("x"), out_specs=P()))
+        per_leaf = wire.measure(small, tree, mesh=mesh)
+    assert sorted(c.kind for c in rep.collectives) == ["all-gather", "all-to-all"]
+    assert len(per_leaf.collectives) == 2 * len(shapes)
+    for g, x in zip(got, tree):
+        want = np.asarray(x).reshape(4, -1, 64).sum(0)
+        err = np.linalg.norm(np.asarray(g) - want) / np.linalg.norm(want)
+        assert err < 2e-2, err
+
+
+def test_psum_over_an_invariant_axis_moves_nothing():
+    """lax.psum of a replicated value all-reduces n identical copies in float32; the
+    compressed psum computes n * x locally, with the same result."""
+    mesh = _mesh(4)
+    rng = np.random.default_rng(2)
+    w = _put(mesh, jnp.asarray(rng.normal(size=(512,)), jnp.float32), P())
+
+    def run(lib, **kw):
+        fn = jax.jit(jax.shard_map(lambda w: lib.psum(w, "x", **kw), mesh=mesh, in_specs=P(),
+                                   out_specs=P()))
+        return fn, fn(w)
+
+    with jax.set_mesh(mesh):
+        fn, got = run(cc, codec="int8")
+        _, want = run(lax)
+        rep = wire.measure(fn, w, mesh=mesh)
+    assert rep.collectives == []
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_check_vma_false_compresses_and_differentiates_as_lax():
+    """Under check_vma=False every operand counts as varying: the psum is coded
+    (uint8 on the wire, no float32 collective of operand size), and its backward
+    pass is a psum of the cotangent, as lax.psum's is there."""
+    mesh = _mesh(4)
+    rng = np.random.default_rng(3)
+    x = _put(mesh, jnp.asarray(rng.normal(size=(4 * 1024,)), jnp.float32))
+    c_1xM = jnp.asarray(rng.normal(size=(1024,)), jnp.float32)
+
+    def loss(lib, **kw):
+        def body(x):
+            y = lib.psum(x * x, "x", **kw)
+            return (y * c_1xM * (1.0 + lax.axis_index("x"))).sum()[None]
+        f = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+        return lambda x: f(x).sum()
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(loss(cc, codec="int8")))(x)
+        want = jax.jit(jax.value_and_grad(loss(lax)))(x)
+        rep = wire.measure(jax.jit(jax.grad(loss(cc, codec="int8"))), x, mesh=mesh)
+    for g, w in zip(got, want):
+        err = np.linalg.norm(np.asarray(g) - np.asarray(w)) / np.linalg.norm(np.asarray(w))
+        assert err < 2e-2, err
+    assert rep.collectives and {c.dtype for c in rep.collectives} == {"u8"}, rep.table()
+
+
+def _fsdp_residual_bytes(gather, policy):
+    """Bytes of the residuals one device saves for the backward pass of the
+    shard_map tutorial's FSDP MLP under remat `policy` (read while tracing)."""
+    mesh = _mesh(4)
+    params = [(jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=NamedSharding(mesh, P("x"))),
+               jax.ShapeDtypeStruct((256,), jnp.float32, sharding=NamedSharding(mesh, P("x"))))
+              for _ in range(3)]
+    x = jax.ShapeDtypeStruct((32, 256), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    seen = []
+
+    def body(params, x):
+        def net(params, x):
+            for w, b in params:
+                x = jnp.maximum(x @ gather(w) + gather(b), 0)
+            return x
+
+        out, f_vjp = jax.vjp(jax.checkpoint(net, policy=policy), params, x)
+        seen.append(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(f_vjp)))
+        return out
+
+    with jax.set_mesh(mesh):
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
+                              out_specs=P("x"))).lower(params, x)
+    return seen[0]
+
+
+def test_remat_policies_see_the_coded_gather_by_name():
+    """Name-based remat policies on the shard_map tutorial's FSDP MLP: saving
+    REMAT_NAMES["all_gather"] keeps the three decoded weights (no second gather
+    in the backward pass); a policy naming only other values saves exactly what it
+    saves with lax.all_gather."""
+    policies = jax.checkpoint_policies
+    lax_gather = lambda w: lax.all_gather(w, "x", tiled=True)
+    cc_gather = lambda w: cc.all_gather(w, "x", tiled=True, codec="int8")
+    others = policies.save_only_these_names("activations")
+    base = _fsdp_residual_bytes(cc_gather, others)
+    assert base == _fsdp_residual_bytes(lax_gather, others)
+    kept = _fsdp_residual_bytes(cc_gather, policies.save_only_these_names(cc.REMAT_NAMES["all_gather"]))
+    weights = 3 * (256 * 256 + 256) * 4  # gathered float32 weights and biases of the 3 layers
+    assert kept >= weights > base, (kept, base)  # gathered weights in place of local shards
