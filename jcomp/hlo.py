@@ -108,8 +108,8 @@ def computations(text: str) -> tuple[dict[str, list[Instr]], str | None]:
                 current = h.group(2)
                 comps[current] = []
                 entry = current if h.group(1) else entry
-        elif line.strip() == "}":
-            current = None
+        elif line.strip() == "}" or line.strip().startswith("}, execution_thread="):
+            current = None  # a computation of another execution thread ends this way
         else:
             instr = read_instr(line)
             if instr is not None:

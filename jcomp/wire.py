@@ -43,6 +43,10 @@ KINDS = hlo.COLLECTIVE_KINDS
 # found becomes a note so a report never looks complete when it is not.
 UNMEASURED = ("send", "recv", "ragged-all-to-all", "collective-broadcast")
 
+# jcomp.collectives runs a collective it cannot compress under this named scope,
+# which the compiled program keeps in the instruction's op_name metadata.
+_RAW_RE = re.compile(r'op_name="[^"]*jcomp_raw\(([^)]*)\)')
+
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
@@ -329,7 +333,7 @@ def _parse(hlo_text: str, mesh_shape, axis_names) -> tuple[list[Collective], lis
     if entry is None:
         raise ValueError("hlo_text: no ENTRY computation found")
     counts, runs, caveats = hlo.multiplicities(comps, entry, math.prod(shape))
-    found, notes, unmeasured = [], [], {}
+    found, notes, unmeasured, lines = [], [], {}, []
     for comp in (c for c in comps if c in counts):  # text order
         for instr in comps[comp]:
             if instr.opcode in UNMEASURED or instr.opcode.removesuffix("-start") in UNMEASURED:
@@ -337,11 +341,20 @@ def _parse(hlo_text: str, mesh_shape, axis_names) -> tuple[list[Collective], lis
             if _kind_of(instr.opcode) and counts[comp]:
                 caveat = "; ".join(sorted(caveats[comp]))
                 found.append(_collective(instr, counts[comp], runs[comp], caveat, shape, names))
+                lines.append(instr.line)
     for caveat in dict.fromkeys(c.caveat for c in found if c.caveat):
         which = [c.name for c in found if c.caveat == caveat]
         notes.append(f"{len(which)} collective(s) ({', '.join(which)}): {caveat}")
     for op, k in unmeasured.items():
         notes.append(f"{k} {op} instruction(s) move bytes this meter does not count")
+    raw: dict[str, list[str]] = {}
+    for c, line in zip(found, lines):
+        m = _RAW_RE.search(line)
+        if m:
+            raw.setdefault(m.group(1), []).append(c.name)
+    for codec, which in raw.items():
+        notes.append(f"{len(which)} collective(s) ({', '.join(which)}) send raw: codec {codec} "
+                     "cannot send fewer bytes than the uncompressed operand at that size")
     return found, notes
 
 

@@ -441,6 +441,38 @@ def test_async_starts_count_once_and_dones_are_ignored():
     assert all(c.count == 1 for c in cs.values())
 
 
+def test_computation_of_another_execution_thread_ends_where_it_closes():
+    """XLA prints an async thread's computation as `}, execution_thread="..."`: it
+    ends there, and the ENTRY's collectives after it are still read (and the
+    thread's own collective, called from ENTRY, is counted under its caller)."""
+    thread = "\n".join([
+        "%wrapped_ar (q: f32[64]) -> f32[64] {",
+        "  %q = f32[64]{0} parameter(0)",
+        "  ROOT %ar_t = f32[64]{0} all-reduce(%q), replica_groups={{0,1},{2,3},{4,5},{6,7}}, "
+        "to_apply=%add",
+        '}, execution_thread="parallel"',
+    ])
+    body = "\n".join([
+        "  %p = f32[64]{0} parameter(0)",
+        "  %s = ((f32[64]{0}), f32[64]{0}) async-start(%p), calls=%wrapped_ar",
+        "  %d = f32[64]{0} async-done(%s), calls=%wrapped_ar",
+        "  ROOT %ag = f32[128]{0} all-gather(%d), replica_groups={{0,2},{1,3},{4,6},{5,7}}, "
+        "dimensions={0}",
+    ])
+    add = ASYNC[:ASYNC.index("%wrapped_rs")]
+    cs = {c.name: c for c in wire.parse_collectives(_module(body, add + thread), MESH)}
+    assert sorted(cs) == ["ag", "ar_t"]
+    assert (cs["ag"].axes, cs["ag"].bytes_per_device) == (("tensor",), 256.0)
+    assert (cs["ar_t"].axes, cs["ar_t"].count) == (("pipeline",), 1)
+
+
+def test_raw_sends_are_named_in_the_notes():
+    line = ('  ROOT %ar = f32[7]{0} all-reduce(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, '
+            'to_apply=%add, metadata={op_name="jit(f)/shard_map/jcomp_raw(int8)/psum"}')
+    report = wire.WireReport(*wire._parse(_module(line, ASYNC), MESH, None))
+    assert [n for n in report.notes if "send raw" in n and "int8" in n and "ar" in n], report.notes
+
+
 def test_mixed_tuple_splits_bytes_by_dtype_and_int4_sizes():
     body = ("  %p = f32[64]{0} parameter(0)\n"
             "  %ar = (f32[64]{0}, s8[64]{0}) all-reduce(%p, %p), replica_groups={{0,1,2,3,4,5,6,7}}\n"
