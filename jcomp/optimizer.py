@@ -33,11 +33,12 @@ rank gets the whole rank-R mean, of which it keeps slice r); its residual
 lives in the first L entries of the leaf's "ef" buffer.
 
 One step, inside the train step's `shard_map` (`apply_updates`):
-  1. reduce the local gradients over 'data': stage 1 all-reduces the padded
-     [D*c] buffer (`cc.psum`) and keeps slice r, stage 2 reduce-scatters it
-     (`cc.psum_scatter`); both with `policy["data", "grad"]` and error
-     feedback when the policy asks for it; divide by D (each rank's loss is
-     the mean over its own rows, so the global mean is the mean of the D);
+  1. reduce the local gradients over 'data': reduce-scatter the padded [D*c]
+     buffers (`cc.psum_scatter`, all leaves bucketed into a few messages) so
+     rank r receives slice r, at stage 1 and 2 alike (an all-reduce would send
+     twice the bytes for the same update); with `policy["data", "grad"]` and
+     error feedback when the policy asks for it; divide by D (each rank's loss
+     is the mean over its own rows, so the global mean is the mean of the D);
   2. clip by the global norm: each leaf's squares are summed over 'data' and
      the axes its spec splits it over, so a replicated leaf counts once
      (optax.clip_by_global_norm would see only the local shard);
@@ -123,6 +124,15 @@ def make_tx(*, lr, warmup_steps, total_steps, min_lr_ratio=0.0, b1=0.9, b2=0.95,
         optax.add_decayed_weights(weight_decay, decay_mask),
         optax.scale_by_learning_rate(schedule),
     )
+
+
+def step_count(zstate):
+    """The number of updates applied so far: the optax state's first `count`
+    (every optax transformation with a count advances it once per update)."""
+    found = optax.tree_utils.tree_get_all_with_path(zstate["opt"], "count")
+    if not found:
+        raise ValueError("the optimizer state has no 'count' to number the steps by")
+    return found[0][1]
 
 
 def _leaf_name(path) -> str:
@@ -353,24 +363,20 @@ def _padded_grads(grads, p_leaves, masters, axes, multiple):
     return flats
 
 
-def _gather_params(master_leaves, p_leaves, codec, key):
+def _gather_params(master_leaves, p_leaves, codec, key, bucket_bytes):
     """(1, 1, 1, c) master shards -> working params: gathered over 'data' (invariant
     there), un-padded, reshaped to the local param shapes and cast to their dtypes."""
     gathered = cc.all_gather([m.reshape(-1) for m in master_leaves], "data", tiled=True,
-                             to="invarying", codec=codec, key=key)
+                             to="invarying", codec=codec, key=key, bucket_bytes=bucket_bytes)
     return [x[:p.size].reshape(p.shape).astype(p.dtype) for x, p in zip(gathered, p_leaves)]
 
 
-def _reduce(flats, res, stage, codec, key):
-    """Sums the [D*c] buffers over 'data' -> (this rank's [c] slices, new residuals or None)."""
-    d, r = lax.axis_size("data"), lax.axis_index("data")
-    if stage == 1:
-        if res is None:
-            total, new_res = cc.psum(flats, "data", codec=codec, key=key), None
-        else:
-            total, new_res = cc.psum_ef(flats, res, "data", codec=codec, key=key)
-        return [lax.dynamic_slice_in_dim(t, r * (t.size // d), t.size // d) for t in total], new_res
-    kw = dict(scatter_dimension=0, tiled=True, codec=codec, key=key)
+def _reduce(flats, res, codec, key, bucket_bytes):
+    """Sums the [D*c] buffers over 'data' -> (this rank's [c] slices, new residuals or None).
+
+    A reduce-scatter at either ZeRO stage: each rank keeps only its slice of the sum,
+    so an all-reduce would send twice the bytes for the same update."""
+    kw = dict(scatter_dimension=0, tiled=True, codec=codec, key=key, bucket_bytes=bucket_bytes)
     if res is not None:
         return cc.psum_scatter_ef(flats, res, "data", **kw)
     return cc.psum_scatter(flats, "data", **kw), None
@@ -401,7 +407,7 @@ def _reduce_lowrank(flats, p_leaves, q_leaves, res, codec, key):
 
 def _check_args(stage, clip_norm, compress):
     if stage not in (1, 2) or isinstance(stage, bool):
-        raise ValueError(f"stage must be 1 (all-reduce) or 2 (reduce-scatter); got {stage!r}")
+        raise ValueError(f"stage must be 1 or 2; got {stage!r}")
     _check("clip_norm", _number("clip_norm", clip_norm), clip_norm >= 0, ">= 0 (0 disables)")
     if not isinstance(compress, (bool, policy_lib.Policy)):
         raise TypeError(f"compress must be a Python bool or a policy.Policy; got {compress!r}")
@@ -424,20 +430,23 @@ def _check_phase(policy, sent):
 
 
 def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip_norm=0.0,
-                  compress=True, step=None, key=None):
+                  compress=True, step=None, key=None, bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
     """One ZeRO step inside shard_map over ('data', 'tensor', 'pipeline').
 
     grads:   local gradients, local param shapes, varying over 'data' (this rank's
              mean loss over its own rows) and over the axes of each param's spec.
     params:  local working params (shapes and dtypes of the result).
     zstate:  local blocks of the state dict (see the module docstring).
-    stage:   1 = all-reduce then slice, 2 = reduce-scatter (ValueError with PowerSGD).
+    stage:   1 or 2 (ZeRO); both reduce-scatter plain gradients; PowerSGD, whose
+             factors are all-reduced, needs 1 (ValueError otherwise).
     policy:  decides the state layout (residuals, PowerSGD Q, shard padding).
     compress: True sends `policy`'s codecs; False sends data.grad and data.param
              with codec "none"; a Policy (a phase of `jcomp.schedule`) sends its
              data.grad/data.param codecs on `policy`'s layout. Residuals pass a
              lossless phase exactly; a phase without PowerSGD leaves Q as it was.
     `key` (folded with `step` when given) feeds codecs that draw randomness.
+    bucket_bytes: the gradient reduction and the parameter gather send the leaves
+             in flat buffers of at most this many bytes (`jcomp.collectives`).
     -> (new params invariant over 'data', new zstate,
         {"grad_norm": global pre-clip norm of the mean gradient,
          "ef_norm": global norm of the new residuals (each rank's, in summed-
@@ -472,7 +481,7 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
         q_leaves = treedef.flatten_up_to(zstate["psgd_q"])
         own, new_qs, new_res = _reduce_lowrank(flats, p_leaves, q_leaves, res, psgd, k_grad)
     else:
-        own, new_res = _reduce(flats, res, stage, g_codec, k_grad)
+        own, new_res = _reduce(flats, res, g_codec, k_grad, bucket_bytes)
         d = lax.axis_size("data")
         own = [o.astype(jnp.float32) / d for o in own]
     g_shards = [o.reshape(m.shape) for o, m in zip(own, masters)]
@@ -485,7 +494,8 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     master_tree = jax.tree.unflatten(treedef, masters)
     updates, new_opt = tx.update(jax.tree.unflatten(treedef, g_shards), zstate["opt"], master_tree)
     new_master = optax.apply_updates(master_tree, updates)
-    new_params = _gather_params(treedef.flatten_up_to(new_master), p_leaves, param_codec, k_param)
+    new_params = _gather_params(treedef.flatten_up_to(new_master), p_leaves, param_codec, k_param,
+                                bucket_bytes)
 
     new_state = {"master": new_master, "opt": new_opt}
     if psgd is not None:

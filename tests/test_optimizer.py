@@ -255,6 +255,19 @@ def test_hybrid_compresses_data_traffic_and_learns(mesh, stage):
     assert float(jnp.abs(zstate["ef"]["w"]).max()) > 0  # error feedback is carrying residuals
 
 
+@pytest.mark.parametrize("name", ["baseline", "hybrid"])
+def test_zero1_gradient_reduction_sends_no_more_than_zero2(mesh, name):
+    """Each rank keeps only its slice of the summed gradient, so stage 1 reduce-scatters
+    as stage 2 does: the same data bytes (an all-reduce would send twice as many)."""
+    tx, pol = _tx(), jpolicy.preset(name)
+    params, x = _put(mesh, _params(), _batch())
+    zstate = opt.init_state(params, PARAM_SPECS, mesh, tx, pol)
+    data = [_data_bytes(wire.measure_compiled(
+        _step_fn(mesh, tx, pol, stage).lower(params, zstate, x).compile(), mesh))
+        for stage in (1, 2)]
+    assert data[0] <= data[1], data
+
+
 def _powersgd_policy(rank=2):
     """baseline with PowerSGD on the data-parallel gradients, error feedback on."""
     table = tuple((a, k, powersgd.PowerSGD(rank=rank) if (a, k) == ("data", "grad") else c)
@@ -272,10 +285,11 @@ def test_powersgd_zero1_learns_and_all_reduces_only_factors(mesh):
         reports[name] = wire.measure_compiled(compiled, mesh)
         runs[name] = _loop(compiled, params, zstate, x, 10)
     # Local blocks: w (64, 128), layers and v (1, 64, 64) go rank 2; b (256,) stays dense.
-    # The baseline all-reduces every local element; PowerSGD (m + n) * 2 per matrix.
+    # The baseline reduce-scatters every local element (each rank keeps its slice);
+    # PowerSGD all-reduces (m + n) * 2 per matrix, and b through its fallback.
     dense = I * 128 + 256 + 2 * I * I
     sent = (I + 128) * 2 + 256 + 2 * (I + I) * 2
-    saved = 2 * (D - 1) / D * 4 * (dense - sent)  # all-reduce bytes per device
+    saved = (D - 1) / D * 4 * dense - 2 * (D - 1) / D * 4 * sent  # bytes per device
     diff = _data_bytes(reports["baseline"]) - _data_bytes(reports["powersgd"])
     assert diff == pytest.approx(saved, abs=64), reports["powersgd"].table()
     _, zstate, losses, _ = runs["powersgd"]
