@@ -39,7 +39,10 @@ def get_config():
     c.compression = ml_collections.ConfigDict(dict(
         policy="baseline",
         error_feedback="auto",  # "auto" (the preset's), "on", "off"
-        warmup_steps=0))        # "@N" on every entry without a schedule below
+        warmup_steps=0,         # "@N" on every entry without a schedule below
+        # The optimizer sends gradients and parameters in flat buffers of at most
+        # this many MiB (jcomp.collectives.buckets: why 32).
+        bucket_mib=32.0))
     # Per-(axis, kind) schedule: "CODEC@STEP,..." with increasing steps, uncompressed
     # before the first; a bare "@STEP" starts the policy's codec ("" = from step 0).
     # E.g. schedule.data.grad="bf16@0,int8@200,int4@1000". See jcomp/schedule.py.

@@ -18,6 +18,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jcomp import codecs as codecs_lib
 from jcomp import optimizer, parallel
 
 DATA = parallel.DATA
@@ -51,25 +52,39 @@ def _metric_specs(pol):
     return {n: P() for n in names}
 
 
+def _draws_randomness(pol) -> bool:
+    return any(getattr(codecs_lib.parse(pol["data", k]) if isinstance(pol["data", k], str)
+                       else pol["data", k], "needs_key", False) for k in ("grad", "param"))
+
+
 def make_train_step(model_cfg, mesh, pol, tx, params_shapes, *, microbatches, zero_stage,
-                    clip_norm, remat=False, compress=True):
+                    clip_norm, remat=False, compress=True, seed=0,
+                    bucket_bytes=optimizer.cc.DEFAULT_BUCKET_BYTES):
     """A jitted fn(state, batch [B, L+1] int32) -> (state, metrics).
 
     `pol` lays out the state. `compress` picks what every collective sends:
     True `pol`'s codecs, False none at all, a Policy (a phase of a
-    `jcomp.schedule`) its own codecs, on `pol`'s state layout.
+    `jcomp.schedule`) its own codecs, on `pol`'s state layout. Codecs that draw
+    random numbers (stochastic rounding, rand-k) at data.grad / data.param get
+    the key fold_in(key(seed), optimizer step), folded with each device's index
+    by the collectives: a pure function of the state, so a resumed run draws
+    what the uninterrupted one would. `bucket_bytes` bounds the flat buffers the
+    optimizer's gradient reduction and parameter gather send.
     """
     act_pol = optimizer.sent_policy(pol, compress)
     specs = parallel.param_specs(params_shapes)
     sspecs = state_specs(specs, tx, pol)
+    keyed = _draws_randomness(act_pol)
 
     def body(state, batch):
         params = state["params"]
         loss, grads = parallel.local_value_and_grad(params, batch, model_cfg, act_pol,
                                                     microbatches, remat)
+        count = optimizer.step_count(state["zero"]) if keyed else None
         new_params, new_zero, stats = optimizer.apply_updates(
             grads, params, state["zero"], tx=tx, policy=pol, param_specs=specs,
-            stage=zero_stage, clip_norm=clip_norm, compress=compress)
+            stage=zero_stage, clip_norm=clip_norm, compress=compress, step=count,
+            key=jax.random.key(seed) if keyed else None, bucket_bytes=bucket_bytes)
         loss = lax.pmean(loss, DATA)
         finite = jnp.isfinite(loss) & jnp.isfinite(stats["grad_norm"])
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)

@@ -134,7 +134,7 @@ def validate(cfg, n_devices: int):
         _positive(cfg, name)
     for name in ("optim.warmup_steps", "compression.warmup_steps", "data.val_permille"):
         _positive(cfg, name, zero_ok=True)
-    for name in ("optim.lr",):
+    for name in ("optim.lr", "compression.bucket_mib"):
         _positive(cfg, name, integer=False)
     for name in ("optim.weight_decay", "optim.clip_norm", "optim.min_lr_ratio",
                  "train.ef_reset_norm"):
@@ -154,7 +154,9 @@ def validate(cfg, n_devices: int):
     if cfg.train.batch_size % jax.process_count():
         raise UsageError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
                          f"{jax.process_count()} processes")
-    pol = build_phases(cfg.compression)[-1][1]
+    phases = build_phases(cfg.compression)
+    _check_randomness(phases)
+    pol = phases[-1][1]
     if getattr(pol["data", "grad"], "kind", None) == "lowrank" and cfg.optim.zero_stage != 1:
         raise UsageError("compression.data.grad=powersgd needs optim.zero_stage=1: its "
                          "factors are all-reduced, not reduce-scattered")
@@ -171,6 +173,20 @@ def validate(cfg, n_devices: int):
     except ValueError as e:
         raise UsageError(f"compression.{e}") from None
     return model_cfg, shape, pol
+
+
+def _check_randomness(phases):
+    """Codecs that draw random numbers get a per-step key only where the optimizer
+    sends (data.grad, data.param); inside the model they would have none."""
+    for _, pol in phases:
+        for axis in ("tensor", "pipeline"):
+            for kind in ("act", "act_grad"):
+                spec = pol[axis, kind]
+                if getattr(spec, "needs_key", False):
+                    raise UsageError(
+                        f"compression.{axis}.{kind}={spec}: codecs that draw random numbers "
+                        "(stochastic rounding ':sr', randk) are supported at data.grad and "
+                        "data.param only; use a deterministic codec here (e.g. int8)")
 
 
 def make_tx(cfg):
@@ -332,7 +348,8 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         state, start = step.init_state(params, mesh, tx, pol), 0
 
     common = dict(microbatches=cfg.train.microbatches, zero_stage=cfg.optim.zero_stage,
-                  clip_norm=float(cfg.optim.clip_norm), remat=cfg.train.remat)
+                  clip_norm=float(cfg.optim.clip_norm), remat=cfg.train.remat, seed=cfg.seed,
+                  bucket_bytes=max(int(cfg.compression.bucket_mib * 2**20), 1))
     phases = build_phases(cfg.compression)
     compiled, evals = {}, {}
 
