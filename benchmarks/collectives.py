@@ -2,6 +2,7 @@
 
     python benchmarks/collectives.py [--sizes 64Ki 1Mi] [--ops psum ...] [--codecs int8 ...]
                                      [--repeats 5] [--json PATH] [--quick]
+    python benchmarks/collectives.py --sizes    # bytes only, sizes 1..1Mi, axes 2..8
 
 For every op x codec x size (per-device float32 elements) it reports the bytes
 one device sends per call, read from the compiled program by `jcomp.wire`, and
@@ -307,7 +308,9 @@ def parse_codec(text: str) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", nargs="+", type=parse_size, help="per-device float32 elements")
+    ap.add_argument("--sizes", nargs="*", type=parse_size,
+                    help="per-device float32 elements to time; alone (no values): the byte "
+                    "sweep of benchmarks/sizes.py over sizes 1 to 1Mi and axes of 2 to 8")
     ap.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
     ap.add_argument("--codecs", nargs="+", type=parse_codec,
                     help="codec specs; 'none' (the jax.lax op) is always run as the baseline")
@@ -328,6 +331,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args, ap = parse_args(argv)
+    if args.sizes == []:
+        import sizes  # beside this script
+        return sizes.main([])
     mesh = jmesh.make_mesh(mesh_sizes(jax.device_count()))
     data = mesh.shape["data"]
     bad = [s for s in args.sizes if s % data]
@@ -370,4 +376,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

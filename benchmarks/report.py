@@ -3,6 +3,7 @@
     python benchmarks/report.py [--results benchmarks/results] [--out benchmarks/RESULTS.md]
 
 Reads, where present: collectives.json (benchmarks/collectives.py),
+collectives_sizes.json (benchmarks/collectives.py --sizes),
 parallel.json (benchmarks/parallel.py), every convergence*/summary.json
 (benchmarks/convergence.py) and projection.json (benchmarks/projection.py).
 Every number and every PASS/FAIL in the page is computed from those files;
@@ -412,6 +413,23 @@ def collectives_section(col: dict) -> str:
     return out
 
 
+def sizes_section(sz: dict) -> str:
+    """Bytes vs jax.lax per op, codec and axis size, one column per size."""
+    sizes = sorted({r["elements"] for r in sz["rows"]})
+    keys = list(dict.fromkeys((r["op"], r["codec"], r["n"]) for r in sz["rows"]))
+    by = {(r["op"], r["codec"], r["n"], r["elements"]): r for r in sz["rows"]}
+    cell = lambda r: "-" if r is None or r["ratio"] is None else (
+        "raw" if r["raw"] else fmt(r["ratio"], ".3f"))
+    rows = [[op, codec, n] + [cell(by.get((op, codec, n, e))) for e in sizes]
+            for op, codec, n in keys]
+    head = (f"{sz['backend']} backend, jax {sz['jax_version']}, commit {sz['commit']}, date "
+            f"{sz['date']}. Bytes one device sends per call relative to the jax.lax op, read "
+            "from each compiled program; raw = sent uncompressed (exactly lax's bytes). "
+            + ("Checks: pass." if not sz["violations"] else
+               "Checks failed: " + "; ".join(sz["violations"])))
+    return head + "\n\n" + table(["op", "codec", "n"] + [str(e) for e in sizes], rows)
+
+
 def parallel_section(par: dict) -> str:
     rows = [[",".join(map(str, r["shape"])), r["policy"], r["microbatches"], fmt(r["time_s"], ".3f"),
              fmt(r.get("time_ratio"), ".2f"), human_bytes(r["wire_bytes_total"]),
@@ -435,6 +453,8 @@ def build(results: str, page_dir: str) -> str:
     proj = _load(proj_path) if os.path.exists(proj_path) else None
     col_path, par_path = os.path.join(results, "collectives.json"), os.path.join(results, "parallel.json")
     col = _load(col_path) if os.path.exists(col_path) else None
+    sz_path = os.path.join(results, "collectives_sizes.json")
+    sz = _load(sz_path) if os.path.exists(sz_path) else None
     par = _load(par_path) if os.path.exists(par_path) else None
 
     commands = [i for _, s in summaries for i in s.get("invocations", [])]
@@ -442,6 +462,8 @@ def build(results: str, page_dir: str) -> str:
         commands.append(proj["command"])
     if col:
         commands.append(f"python benchmarks/collectives.py --repeats {col['repeats']}")
+    if sz:
+        commands.append("python benchmarks/collectives.py --sizes")
     if par:
         commands.append(f"python benchmarks/parallel.py --repeats {par['repeats']}")
     commands.append("python benchmarks/report.py")
@@ -469,6 +491,9 @@ def build(results: str, page_dir: str) -> str:
     if col:
         page += ["## Compressed collectives (benchmarks/collectives.py)", "",
                  collectives_section(col), ""]
+    if sz:
+        page += ["## Compressed collectives at every size (benchmarks/collectives.py --sizes)", "",
+                 sizes_section(sz), ""]
     if par:
         page += ["## 3-D parallel train step (benchmarks/parallel.py)", "", parallel_section(par), ""]
     page += ["## What matches the papers, what doesn't, and why", ""]
