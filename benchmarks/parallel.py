@@ -48,6 +48,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from jcomp import mesh as jmesh  # noqa: E402
@@ -95,6 +96,8 @@ def plan(shapes, policies, microbatches, cfg, batch, reference=True):
         cases.append(case)
 
     for shape in shapes:
+        if reference and shape[1] == shape[2] == 1 and "baseline" in policies:
+            add(shape, JIT_DP, 1, "jit")
         ms = microbatches if shape[2] > 1 else [1]
         for m in ms:
             for pol in policies:
@@ -118,6 +121,35 @@ def build(case, cfg, tx, params, tokens_BxL1):
     return dict(exe=exe, state=state, batch=batch, report=wire.measure_compiled(exe, mesh),
                 param_bytes=step.device_bytes(state["params"]),
                 opt_bytes=step.device_bytes(state["zero"]))
+
+
+JIT_DP = "jax.jit dp"  # the reference policy name: a plain jitted data-parallel step
+
+
+def build_jit_dp(case, cfg, tx, params, tokens_BxL1):
+    """The same model, batch, AdamW and global-norm clipping as a plain `jax.jit`
+    data-parallel step: parameters and optimizer state replicated, the batch split
+    over 'data', XLA's own gradient all-reduce. The reference jcomp's baseline
+    policy (ZeRO stage 1, explicit reduction) is timed against."""
+    shape = case["shape"]
+    mesh = jmesh.make_mesh(shape, devices=jax.devices()[:math.prod(shape)])
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), tx)
+    params_r = jax.device_put(params, replicated)
+    state = (params_r, jax.jit(clipped.init, out_shardings=replicated)(params_r))
+
+    def train_step(state, batch):
+        p, opt = state
+        loss, grads = jax.value_and_grad(gpt.loss_fn)(p, batch, cfg)
+        updates, opt = clipped.update(grads, opt, p)
+        return (optax.apply_updates(p, updates), opt), {"loss": loss}
+
+    batch = jax.device_put(tokens_BxL1, NamedSharding(mesh, parallel.BATCH_SPEC))
+    fn = jax.jit(train_step, donate_argnums=0, out_shardings=((replicated, replicated),
+                                                              {"loss": replicated}))
+    exe = fn.lower(state, batch).compile()
+    return dict(exe=exe, state=state, batch=batch, report=wire.measure_compiled(exe, mesh),
+                param_bytes=step.device_bytes(state[0]), opt_bytes=step.device_bytes(state[1]))
 
 
 def run_once(run) -> tuple[float, float]:
@@ -157,6 +189,9 @@ def make_rows(cases, built, first, times) -> list[dict]:
     for r in rows:
         b = base.get(key(r))
         r["time_ratio"] = r["time_s"] / b["time_s"] if b else None
+        jit = next((j for j in rows if j["policy"] == JIT_DP and key(j) == key(r)), None)
+        r["baseline_vs_jit_dp"] = (b["time_s"] / jit["time_s"]
+                                   if r is jit and b else None)
         r["wire_ratio"] = (r["wire_bytes_total"] / b["wire_bytes_total"]
                            if b and b["wire_bytes_total"] else None)
         ref = base.get(((r["shape"][0], r["shape"][1], 1), r["microbatches"]))
@@ -262,13 +297,18 @@ def main(argv=None):
     built = []
     for c in cases:
         t0 = time.perf_counter()
-        built.append(build(c, cfg, tx, params, tokens_BxL1))
+        make = build_jit_dp if c["policy"] == JIT_DP else build
+        built.append(make(c, cfg, tx, params, tokens_BxL1))
         print(f"  compiled {c['shape']} {c['policy']} M={c['microbatches']} ({c['role']}) "
               f"in {time.perf_counter() - t0:.1f} s", flush=True)
     first, times = time_interleaved(built, args.repeats)
     rows = make_rows(cases, built, first, times)
     print(table(rows))
     print("bubble meas = 1 - (t(d,t,1) / P) / t(d,t,P), baseline policy, same M and batch")
+    for r in rows:
+        if r["baseline_vs_jit_dp"] is not None:
+            print(f"baseline / {JIT_DP} step time on mesh {r['shape']}: "
+                  f"{r['baseline_vs_jit_dp']:.3f}x (medians, timed side by side)")
     notes = list(dict.fromkeys(n for r in rows for n in r["wire_notes"]))
     if jax.default_backend() == "cpu":
         notes.insert(0, CPU_NOTE)
