@@ -95,7 +95,8 @@ def test_codec_none_is_lax_bitwise_for_pytrees_and_pmean():
 
 def test_pytree_psum_is_bucketed_into_one_message_per_phase():
     """Twelve leaves with int8: one all_to_all and one all_gather, not 24 (or 48 with
-    codes and scales apart); each leaf's sum as accurate as alone."""
+    codes and scales apart); each leaf's sum as accurate as alone. With codec none,
+    one all-reduce with lax's values."""
     mesh = _mesh(4)
     rng = np.random.default_rng(1)
     shapes = [(4 * (i + 1), 64) for i in range(12)]
@@ -108,8 +109,16 @@ def test_pytree_psum_is_bucketed_into_one_message_per_phase():
         small = jax.jit(jax.shard_map(lambda t: cc.psum(t, "x", codec="int8", bucket_bytes=1),
                                       mesh=mesh, in_specs=P("x"), out_specs=P()))
         per_leaf = wire.measure(small, tree, mesh=mesh)
+        plain = jax.jit(jax.shard_map(lambda t: cc.psum(t, "x"), mesh=mesh, in_specs=P("x"),
+                                      out_specs=P()))
+        plain_rep = wire.measure(plain, tree, mesh=mesh)
+        np.testing.assert_array_equal(np.asarray(plain(tree)[3]),
+                                      np.asarray(jax.jit(jax.shard_map(
+                                          lambda t: lax.psum(t, "x"), mesh=mesh, in_specs=P("x"),
+                                          out_specs=P()))(tree)[3]))
     assert sorted(c.kind for c in rep.collectives) == ["all-gather", "all-to-all"]
     assert len(per_leaf.collectives) == 2 * len(shapes)
+    assert [c.kind for c in plain_rep.collectives] == ["all-reduce"]  # codec none: one bucket too
     for g, x in zip(got, tree):
         want = np.asarray(x).reshape(4, -1, 64).sum(0)
         err = np.linalg.norm(np.asarray(g) - want) / np.linalg.norm(want)

@@ -7,7 +7,8 @@ Every function takes the positional and keyword arguments of its `jax.lax`
 twin plus `codec=` (what the forward collective sends), `bwd_codec=` (what the
 backward collective sends; defaults to `codec`), `key=` (randomness for codecs
 that draw it: stochastic rounding, rand-k) and, for pytrees, `bucket_bytes=`.
-With `codec="none"` each call *is* the `jax.lax` call, bitwise.
+With `codec="none"` a call on one array *is* the `jax.lax` call; on a pytree it
+gives lax's results bitwise, its leaves bucketed into a few messages.
 
 What travels is the codec's payload (one uint8 buffer per row: codes, scales
 and indices together), never a decoded full-precision array:
@@ -99,12 +100,15 @@ def _bwd_key(key):
     return None if key is None else jax.random.fold_in(key, 1)
 
 
-def _prepare(axis_name, codec, bwd_codec, key, axis_index_groups=None):
-    """-> (axes, fwd codec, bwd codec) or None when jax.lax should run."""
+def _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups=None):
+    """-> (axes, fwd codec, bwd codec, plain) or None where the jax.lax op runs on `x`
+    as it is. `plain`: both codecs are "none", and the leaves of the pytree `x`
+    travel bucketed through the jax.lax op (the same values, fewer messages)."""
     fwd = parse(codec)
     bwd = fwd if bwd_codec is None else parse(bwd_codec)
     axes = _axes(axis_name)
-    if fwd.kind == "identity" and bwd.kind == "identity":
+    plain = fwd.kind == "identity" and bwd.kind == "identity"
+    if plain and (axis_index_groups is not None or len(jax.tree.leaves(x)) < 2):
         return None
     if axis_index_groups is not None:
         raise ValueError(
@@ -113,7 +117,7 @@ def _prepare(axis_name, codec, bwd_codec, key, axis_index_groups=None):
     if lax.axis_size(axes) == 1:
         return None  # nothing crosses the wire over a size-1 axis
     check_key(key, fwd, bwd)
-    return axes, fwd, bwd
+    return axes, fwd, bwd, plain
 
 
 def _coded(fwd, bwd):
@@ -203,10 +207,14 @@ def psum(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, 
          bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.psum` that sends `codec`-coded chunks. Result: x's shapes and dtypes,
     invariant over `axis_name`. Its backward pass moves nothing (as for lax.psum)."""
-    ready = _prepare(axis_name, codec, bwd_codec, key, axis_index_groups)
+    ready = _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups)
     if ready is None:
         return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
-    axes, fwd, bwd = ready
+    axes, fwd, bwd, plain = ready
+    if plain:
+        return bucketed(x, lambda leaf: (leaf, axes), lambda leaf: leaf.reshape(1, -1),
+                        lambda out, leaf: out.reshape(leaf.shape),
+                        lambda buf, live, k: lax.psum(buf, live), None, bucket_bytes)
     checked = _checked(axes)
 
     def prepare(leaf):
@@ -230,12 +238,10 @@ def psum(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, 
 def pmean(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, key=None,
           bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.pmean`: `psum` divided by the number of devices over `axis_name`."""
-    if parse(codec).kind == "identity" and (bwd_codec is None or
-                                            parse(bwd_codec).kind == "identity"):
-        return lax.pmean(x, axis_name, axis_index_groups=axis_index_groups)
     total = psum(x, axis_name, axis_index_groups=axis_index_groups, codec=codec,
                  bwd_codec=bwd_codec, key=key, bucket_bytes=bucket_bytes)
-    n = lax.axis_size(_axes(axis_name))
+    n = (len(axis_index_groups[0]) if axis_index_groups is not None  # as lax: each group's mean
+         else lax.axis_size(_axes(axis_name)))
     return jax.tree.map(lambda v: v / n, total)
 
 
@@ -274,11 +280,11 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
                  codec="none", bwd_codec=None, key=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.psum_scatter` as all_to_all of coded chunks + float32 sum.
     Backward: compressed all_gather with `bwd_codec`."""
-    ready = _prepare(axis_name, codec, bwd_codec, key, axis_index_groups)
+    ready = _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups)
     if ready is None:
         return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                                 axis_index_groups=axis_index_groups, tiled=tiled)
-    axes, fwd, bwd = ready
+    axes, fwd, bwd, plain = ready
     n = lax.axis_size(axes)
 
     def to_rows(leaf):
@@ -297,6 +303,10 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
             del shape[dim]
         return tuple(shape)
 
+    if plain:
+        return bucketed(x, lambda leaf: (leaf, axes), to_rows, from_rows,
+                        lambda buf, live, k: lax.psum_scatter(buf, live, tiled=True), None,
+                        bucket_bytes)
     return _named("psum_scatter", bucketed(
         x, lambda leaf: (_vary(leaf, axes), axes), to_rows, from_rows,
         lambda buf, live, k: _SCATTER((live, fwd, bwd, None), buf, k), key, bucket_bytes))
@@ -306,12 +316,12 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
                codec="none", bwd_codec=None, key=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.all_gather` that sends the codec's payload. Backward: a compressed
     reduce-scatter with `bwd_codec` (to="varying") or a local slice (to="invarying")."""
-    ready = _prepare(axis_name, codec, bwd_codec, key, axis_index_groups)
+    ready = _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups)
     if ready is None:
         return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
                               tiled=tiled, to=to)
-    axes, fwd, bwd = ready
-    if to not in ("varying", "invarying"):
+    axes, fwd, bwd, plain = ready
+    if to not in ("varying", "invarying") and not plain:
         raise ValueError(f"all_gather: to={to!r} is not supported with compression; "
                          "allowed: 'varying', 'invarying'")
     n = lax.axis_size(axes)
@@ -321,6 +331,10 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
         rows = out_NxM.reshape((n,) + leaf.shape)
         return kernels.stack_along(rows, dim, tiled)
 
+    if plain:
+        return bucketed(x, lambda leaf: (leaf, axes), lambda leaf: leaf.reshape(1, -1), from_rows,
+                        lambda buf, live, k: lax.all_gather(buf, live, axis=0, tiled=True, to=to),
+                        None, bucket_bytes)
     return _named("all_gather", bucketed(
         x, lambda leaf: (_vary(leaf, axes), axes), lambda leaf: leaf.reshape(1, -1), from_rows,
         lambda buf, live, k: _GATHER((live, fwd, bwd, to), buf, k), key, bucket_bytes))
@@ -329,11 +343,15 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
 def ppermute(x, axis_name, perm, *, codec="none", bwd_codec=None, key=None,
              bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.ppermute` of the payload. Backward: the inverse permutation, `bwd_codec`."""
-    ready = _prepare(axis_name, codec, bwd_codec, key)
+    ready = _prepare(x, axis_name, codec, bwd_codec, key)
     if ready is None:
         return lax.ppermute(x, axis_name, perm)
-    axes, fwd, bwd = ready
+    axes, fwd, bwd, plain = ready
     perm = tuple((int(s), int(d)) for s, d in perm)
+    if plain:
+        return bucketed(x, lambda leaf: (leaf, axes), lambda leaf: leaf.reshape(1, -1),
+                        lambda out, leaf: out.reshape(leaf.shape),
+                        lambda buf, live, k: lax.ppermute(buf, live, perm), None, bucket_bytes)
     return _named("ppermute", bucketed(
         x, lambda leaf: (_vary(leaf, axes), axes), lambda leaf: leaf.reshape(1, -1),
         lambda out, leaf: out.reshape(leaf.shape),
@@ -343,11 +361,11 @@ def ppermute(x, axis_name, perm, *, codec="none", bwd_codec=None, key=None,
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False,
                codec="none", bwd_codec=None, key=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.all_to_all` of the payload. Backward: the reverse all_to_all, `bwd_codec`."""
-    ready = _prepare(axis_name, codec, bwd_codec, key, axis_index_groups)
+    ready = _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups)
     if ready is None:
         return lax.all_to_all(x, axis_name, split_axis, concat_axis,
                               axis_index_groups=axis_index_groups, tiled=tiled)
-    axes, fwd, bwd = ready
+    axes, fwd, bwd, plain = ready
     n = lax.axis_size(axes)
 
     def chunks(leaf):
@@ -357,6 +375,10 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
         rows = out_NxM.reshape(chunks(leaf).shape)
         return kernels.stack_along(rows, concat_axis % leaf.ndim, tiled)
 
+    if plain:
+        return bucketed(x, lambda leaf: (leaf, axes), lambda leaf: chunks(leaf).reshape(n, -1),
+                        from_rows, lambda buf, live, k: lax.all_to_all(buf, live, 0, 0, tiled=True),
+                        None, bucket_bytes)
     return _named("all_to_all", bucketed(
         x, lambda leaf: (_vary(leaf, axes), axes), lambda leaf: chunks(leaf).reshape(n, -1),
         from_rows, lambda buf, live, k: _EXCHANGE((live, fwd, bwd), buf, k), key, bucket_bytes))
