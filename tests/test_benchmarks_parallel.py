@@ -153,8 +153,10 @@ def test_plan_adds_references_and_skips_layouts_that_do_not_divide():
     cases, skipped = bench.plan([(8, 1, 1), (2, 2, 2)], ["baseline", "hybrid"], [1, 4], cfg,
                                 batch=8)
     got = {(c["shape"], c["policy"], c["microbatches"], c["role"]) for c in cases}
-    # A mesh without a pipeline runs M = 1 only; each pipelined (M) gets its reference.
+    # A mesh without a pipeline runs M = 1 only; each pipelined (M) gets its reference;
+    # a mesh without tensor and pipeline also gets the plain jax.jit data-parallel step.
     assert got == {((8, 1, 1), "baseline", 1, "main"), ((8, 1, 1), "hybrid", 1, "main"),
+                   ((8, 1, 1), bench.JIT_DP, 1, "jit"),
                    ((2, 2, 2), "baseline", 1, "main"), ((2, 2, 2), "hybrid", 1, "main"),
                    ((2, 2, 1), "baseline", 1, "reference"),
                    ((2, 2, 2), "baseline", 4, "main"), ((2, 2, 2), "hybrid", 4, "main"),
@@ -194,3 +196,24 @@ def test_defaults_and_quick_always_include_the_baseline():
     assert args.policies == ["baseline", "naive"] and args.reference is False
     args, _ = bench.parse_args(["--quick", "--reference"])
     assert args.reference is True
+
+
+def test_jit_dp_reference_computes_the_baseline_step():
+    """The plain jax.jit data-parallel row trains the same model on the same batch:
+    its first loss is the baseline policy's, and its bytes are XLA's gradient
+    all-reduce."""
+    import numpy as np
+
+    bench = _load_script()
+    cfg = bench.gpt.ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=64,
+                                max_seq_len=16)
+    tx = bench.optimizer.make_tx(lr=1e-3, warmup_steps=0, total_steps=10)
+    params = bench.jax.tree.map(np.asarray, bench.gpt.init_params(cfg, bench.jax.random.key(0)))
+    tokens = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
+    case = dict(shape=(8, 1, 1), microbatches=1, role="main")
+    jit = bench.build_jit_dp(dict(case, policy=bench.JIT_DP), cfg, tx, params, tokens)
+    base = bench.build(dict(case, policy="baseline"), cfg, tx, params, tokens)
+    _, loss_jit = bench.run_once(jit)
+    _, loss_base = bench.run_once(base)
+    assert abs(loss_jit - loss_base) <= 1e-5 * abs(loss_base), (loss_jit, loss_base)
+    assert {c.kind for c in jit["report"].collectives} == {"all-reduce"}
