@@ -44,7 +44,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -54,11 +53,13 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from netns import PREFIX, Namespace, Unavailable, rate_bits, remove_stale  # noqa: E402,F401
+from netns import _run, unavailable_reason  # noqa: E402,F401
+
 DEFAULT_OUT = os.path.join("benchmarks", "results", "network.json")
 TOTAL_DEVICES = 8
-PREFIX = "jcnet-"
-# tbf's burst must exceed the loopback MTU (64 KiB), or TCP stalls until it times out.
-TBF = ("burst", "4mb", "latency", "500ms")
 POLICIES = {  # name -> config.compression overrides
     "baseline": {"policy": "baseline"},
     "naive": {"policy": "naive"},
@@ -67,132 +68,6 @@ POLICIES = {  # name -> config.compression overrides
     "best": {"policy": "hybrid", "error_feedback": "off", "data.grad": "int8",
              "tensor.act_grad": "int4"},
 }
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
-_UNIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-
-
-class Unavailable(RuntimeError):
-    """No namespace can be made here: the message says why."""
-
-
-def rate_bits(rate: str):
-    """'100mbit' -> 1e8 bits/s (tc's units, powers of ten); 'unthrottled' -> None."""
-    if rate == "unthrottled":
-        return None
-    m = _RATE.match(rate) if isinstance(rate, str) else None
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"rate {rate!r}: want 'unthrottled' or a number > 0 with a unit in "
-                         f"{', '.join(_UNIT)} (e.g. 300mbit)")
-    return float(m.group(1)) * _UNIT[m.group(2)]
-
-
-def _run(*argv, check=True):
-    return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=30)
-
-
-def unavailable_reason() -> str | None:
-    """None where namespaces and tc work here, else why not (one line)."""
-    missing = [t for t in ("ip", "tc") if not shutil.which(t)]
-    if missing:
-        return f"{' and '.join(missing)} not found (install iproute2)"
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale():
-    """Removes namespaces this script made in runs that were killed (pid gone)."""
-    out = _run("ip", "netns", "list", check=False).stdout
-    for name in re.findall(rf"^({PREFIX}(\d+))\b", out, re.M):
-        if not _alive(int(name[1])):
-            _run("ip", "netns", "del", name[0], check=False)
-
-
-class Namespace:
-    """A network namespace with only a loopback; removed on exit, whatever happens."""
-
-    def __init__(self, name: str | None = None):
-        self.name = name or f"{PREFIX}{os.getpid()}"
-        self._probe = None
-
-    def __enter__(self):
-        proc = _run("ip", "netns", "add", self.name, check=False)
-        if proc.returncode:
-            raise Unavailable(f"ip netns add {self.name}: {proc.stderr.strip() or 'failed'}")
-        try:
-            _run("ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up")
-            # A process that lives in the namespace: /proc/<its pid>/net/dev is the
-            # namespace's view, read without starting a process per reading.
-            self._probe = subprocess.Popen(self.exec_args(["sleep", "infinity"]),
-                                           start_new_session=True)
-            for _ in range(100):
-                if self._lo_line() is not None:
-                    break
-                time.sleep(0.02)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def exec_args(self, argv):
-        return ["ip", "netns", "exec", self.name, *argv]
-
-    def set_rate(self, rate: str):
-        """tbf on the namespace's loopback at `rate`, or no qdisc for 'unthrottled'."""
-        if rate_bits(rate) is None:
-            _run(*self.exec_args(["tc", "qdisc", "del", "dev", "lo", "root"]), check=False)
-        else:
-            _run(*self.exec_args(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
-                                  "rate", rate, *TBF]))
-
-    def qdisc(self) -> str:
-        return _run(*self.exec_args(["tc", "qdisc", "show", "dev", "lo"])).stdout.strip()
-
-    def _lo_line(self):
-        try:
-            with open(f"/proc/{self._probe.pid}/net/dev") as f:
-                return next((l for l in f if l.strip().startswith("lo:")), None)
-        except OSError:
-            return None
-
-    def counters(self) -> tuple[int, int, int]:
-        """(bytes, packets, TCP segments retransmitted) on the loopback so far; on lo
-        every byte sent is received once, so rx is the traffic that crossed the link.
-        A packet tbf drops never reaches lo's counters; its retransmission does."""
-        line = self._lo_line()
-        if line is None:
-            raise RuntimeError(f"cannot read the loopback counters of namespace {self.name}")
-        fields = line.split(":", 1)[1].split()
-        with open(f"/proc/{self._probe.pid}/net/snmp") as f:
-            names, values = [l.split() for l in f if l.startswith("Tcp:")][:2]
-        return int(fields[0]), int(fields[1]), int(values[names.index("RetransSegs")])
-
-    def header_bytes(self) -> int:
-        """Bytes of headers on every loopback packet: Ethernet 14, IPv4 20, TCP 20,
-        and TCP's 12-byte timestamp option where the namespace enables it."""
-        # /proc/sys/net shows the reader's namespace, so it is read from inside.
-        out = _run(*self.exec_args(["cat", "/proc/sys/net/ipv4/tcp_timestamps"])).stdout
-        return 54 + (12 if out.strip() != "0" else 0)
-
-    def __exit__(self, *exc):
-        if self._probe is not None:
-            self._probe.kill()
-            self._probe.wait()
-            self._probe = None
-        _run("ip", "netns", "del", self.name, check=False)
-        if self.name in _run("ip", "netns", "list", check=False).stdout.split():
-            print(f"network.py: warning: namespace {self.name} still listed; remove it with "
-                  f"`ip netns del {self.name}`", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- one run
@@ -320,6 +195,7 @@ def summarize(raw: dict, warm_steps: int) -> dict:
         devices=devices,
         wire_bytes_per_device={k[len("wire_bytes_"):]: v for k, v in static.items()
                                if k.startswith("wire_bytes_")},
+        collectives_per_step=static.get("wire_collectives"),
         meter_bytes_per_step=meter, kernel_bytes_per_step=kernel,
         kernel_over_meter=kernel / meter if kernel is not None and meter else None,
         kernel_bytes_by_step=dict(zip(map(str, window), deltas)),
@@ -442,6 +318,7 @@ def sweep(args) -> int:
             data["rows"] = [r for r in data["rows"] if not (
                 r["settings"] == settings and (r.get("commit") == commit or "error" in r))] + [row]
             data["warm_steps"] = args.warm_steps
+            data["command"] = "python benchmarks/network.py " + " ".join(args.argv)
             data["ttl"] = time_to_target([r for r in data["rows"] if r.get("commit") == commit],
                                          args.ttl_rate) if args.ttl_rate else None
             _save(args.out, data)
@@ -454,6 +331,43 @@ def sweep(args) -> int:
                                       else f"not reached in {t['steps_run']} steps"))
     print(f"wrote {args.out}")
     return 1 if failed else 0
+
+
+def count_collectives(args) -> int:
+    """Adds collectives_per_step (collective executions per step, read by jcomp.wire
+    from the compiled step) to the rows of --out that lack it: one 2-step run of
+    train.py per policy, one process on 8 emulated devices (no socket is opened)."""
+    commit, _ = git_commit()
+    data = _load(args.out)
+    for policy in args.policies:
+        rows = [r for r in data["rows"] if r["settings"]["policy"] == policy
+                and r["settings"]["config"] == args.config and "error" not in r
+                and r.get("collectives_per_step") is None]
+        if not rows:
+            continue
+        with tempfile.TemporaryDirectory(prefix="count-") as workdir:
+            cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={args.config}",
+                   f"--workdir={workdir}", "--config.train.steps=2", "--config.optim.warmup_steps=1",
+                   "--config.train.log_every=1", *_flags(policy, dict(args.set))]
+            env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (
+                f"--xla_force_host_platform_device_count={TOTAL_DEVICES} {args.xla_flags}").strip()}
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=args.timeout)
+            if proc.returncode:
+                print(f"network.py: {policy}: {proc.stderr.strip()[-300:]}", file=sys.stderr)
+                return 1
+            with open(os.path.join(workdir, "metrics.jsonl")) as f:
+                static = next(r for r in map(json.loads, f) if "wire_collectives" in r)
+        for r in rows:
+            if abs(static["wire_bytes_total"] * r["devices"] - r["meter_bytes_per_step"]) > 1:
+                print(f"network.py: {policy}: the compiled step now sends other bytes than in "
+                      f"its rows; not counted", file=sys.stderr)
+                return 1
+            r["collectives_per_step"] = static["wire_collectives"]
+            r["collectives_counted_at"] = commit
+        print(f"{policy}: {static['wire_collectives']:.1f} collectives per step", flush=True)
+    _save(args.out, data)
+    return 0
 
 
 def _key_value(item: str):
@@ -482,7 +396,10 @@ def parse_args(argv):
     p.add_argument("--xla-flags", default="", help="XLA_FLAGS of the train.py processes")
     p.add_argument("--workroot", default=os.path.join(tempfile.gettempdir(), "jcomp-network"))
     p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--count-collectives", action="store_true",
+                   help="only add collectives_per_step to the rows of --out that lack it")
     args = p.parse_args(argv)
+    args.argv = list(argv)
     if args.procs not in (2, 4):
         p.error(f"--procs must be 2 or 4; got {args.procs}")
     for name in ("steps", "ttl_eval_every", "timeout"):
@@ -514,6 +431,8 @@ def _raise_exit(signum, frame):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.count_collectives:
+        return count_collectives(args)
     reason = unavailable_reason()
     if reason:
         print(f"network.py: error: {reason}", file=sys.stderr)
