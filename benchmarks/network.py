@@ -29,11 +29,12 @@ row (rate x policy) it records:
     wire_bytes_total is per device, averaged over the mesh, so the link should
     carry it times the number of devices;
   - losses per step and validation losses.
-Time to the baseline's loss: at --ttl-rate the other policies run again for
---ttl-steps steps, evaluating every --ttl-eval-every steps; the training time
-(sum of step times, evaluation excluded) until the first validation loss at or
-below the baseline's final one at that rate, or "not reached". A longer run
-has its own learning-rate schedule (cosine over its steps).
+Time to the baseline's loss: at --ttl-rate every policy, the baseline too,
+runs again for --ttl-steps steps, evaluating every --ttl-eval-every steps; the
+training time (sum of step times, evaluation excluded) until the first
+validation loss at or below the baseline's final one in its --steps run at
+that rate, or "not reached". All time-to-loss runs share one learning-rate
+schedule (cosine over --ttl-steps), so they differ only by policy.
 
 Results go to --out (JSON, written after every row). A row already there with
 the same settings and git commit is skipped, so an interrupted sweep resumes.
@@ -231,27 +232,33 @@ def plan(args) -> list[dict]:
     if args.ttl_rate:
         rows += [dict(common, kind="ttl", rate=args.ttl_rate, policy=p, steps=args.ttl_steps,
                       eval_every=args.ttl_eval_every)
-                 for p in args.policies if p != "baseline"]
+                 for p in args.policies]
     return rows
 
 
 def time_to_target(rows: list[dict], rate: str) -> dict | None:
-    """At `rate`: the baseline's final val_loss and, per policy, the training time
-    (sum of step times) to the first validation loss at or below it."""
-    ok = [r for r in rows if r["settings"]["rate"] == rate and "error" not in r]
+    """At `rate`: the baseline's final val_loss in its sweep run and, per policy,
+    the training time (sum of step times) to the first validation loss at or
+    below it in that policy's time-to-loss run (the baseline's own sweep run
+    where it has none). Each is the newest such row, whatever its commit:
+    training is deterministic, so a loss does not depend on when it was run."""
+    ok = sorted((r for r in rows if r["settings"]["rate"] == rate and "error" not in r),
+                key=lambda r: r["date"], reverse=True)
     base = next((r for r in ok if r["settings"]["kind"] == "sweep"
                  and r["settings"]["policy"] == "baseline" and r.get("final_val_loss")), None)
     if base is None:
         return None
     target = base["final_val_loss"]
-    out = {"rate": rate, "target_val_loss": target, "policies": {}}
-    for r in sorted(ok, key=lambda r: r["settings"]["kind"] != "ttl"):
+    out = {"rate": rate, "target_val_loss": target, "target_commit": base["commit"],
+           "policies": {}}
+    for r in sorted(ok, key=lambda r: r["settings"]["kind"] != "ttl"):  # stable: newest first
         name = r["settings"]["policy"]
-        if name in out["policies"] or (name != "baseline" and r["settings"]["kind"] != "ttl"):
+        if name in out["policies"] or (r["settings"]["kind"] != "ttl" and r is not base):
             continue
         hit = next((int(s) for s, v in sorted(r["val_losses"].items(), key=lambda kv: int(kv[0]))
                     if v <= target), None)
         out["policies"][name] = dict(
+            kind=r["settings"]["kind"], commit=r["commit"],
             steps_run=r["settings"]["steps"], reached=hit is not None, step=hit,
             time_s=sum(r["step_times_s"][:hit]) if hit else None,
             best_val_loss=min(r["val_losses"].values()) if r["val_losses"] else None)
@@ -319,8 +326,7 @@ def sweep(args) -> int:
                 r["settings"] == settings and (r.get("commit") == commit or "error" in r))] + [row]
             data["warm_steps"] = args.warm_steps
             data["command"] = "python benchmarks/network.py " + " ".join(args.argv)
-            data["ttl"] = time_to_target([r for r in data["rows"] if r.get("commit") == commit],
-                                         args.ttl_rate) if args.ttl_rate else None
+            data["ttl"] = time_to_target(data["rows"], args.ttl_rate) if args.ttl_rate else None
             _save(args.out, data)
             print(f"[{n + 1}/{len(todo)}] {_line(row)}", flush=True)
     ttl = data.get("ttl")

@@ -57,10 +57,10 @@ def test_missing_tools_give_one_line_and_exit_2(tmp_path):
     assert not out.exists()
 
 
-def _row(policy, kind, steps, val_losses, step_s=1.0):
+def _row(policy, kind, steps, val_losses, step_s=1.0, date="2026-12-01T10:00", commit="a"):
     return {"settings": {"rate": "100mbit", "policy": policy, "kind": kind, "steps": steps},
-            "val_losses": {str(k): v for k, v in val_losses.items()},
-            "final_val_loss": val_losses[steps], "step_times_s": [step_s] * steps}
+            "val_losses": {str(k): v for k, v in val_losses.items()}, "date": date,
+            "commit": commit, "final_val_loss": val_losses[steps], "step_times_s": [step_s] * steps}
 
 
 def test_time_to_target_is_the_first_evaluation_at_or_below_the_baselines_loss():
@@ -70,11 +70,16 @@ def test_time_to_target_is_the_first_evaluation_at_or_below_the_baselines_loss()
             _row("naive", "ttl", 8, {2: 2.9, 4: 2.5, 6: 2.3, 8: 2.1})]
     ttl = net.time_to_target(rows, "100mbit")
     assert ttl["target_val_loss"] == 2.0
-    assert ttl["policies"]["baseline"] == dict(steps_run=4, reached=True, step=4, time_s=12.0,
-                                               best_val_loss=2.0)
+    assert ttl["policies"]["baseline"] == dict(kind="sweep", commit="a", steps_run=4, reached=True,
+                                               step=4, time_s=12.0, best_val_loss=2.0)
     assert ttl["policies"]["hybrid"]["step"] == 6 and ttl["policies"]["hybrid"]["time_s"] == 6.0
     assert ttl["policies"]["naive"]["reached"] is False
     assert ttl["policies"]["naive"]["time_s"] is None
+    # The baseline's own time-to-loss run, newer and from another commit, replaces its sweep run.
+    rows.append(_row("baseline", "ttl", 8, {2: 2.4, 4: 2.1, 6: 1.95, 8: 1.9}, step_s=3.0,
+                     date="2026-12-01T11:00", commit="b"))
+    base = net.time_to_target(rows, "100mbit")["policies"]["baseline"]
+    assert (base["kind"], base["commit"], base["step"], base["time_s"]) == ("ttl", "b", 6, 18.0)
 
 
 @pytest.mark.skipif(bool(_namespaces_unavailable()), reason=str(_namespaces_unavailable()))
