@@ -17,8 +17,11 @@ holds beyond C and K / beta. Two models:
   overlapped  T = max(C, K / beta + alpha_ovl * M)     (compute hides behind the
                                                         link, or the link behind it)
 
-alpha is calibrated separately for each, from the same run; a negative alpha
-says that model cannot explain that run. The crossover of a policy is the
+alpha is calibrated separately for each, from the same run. A latency cannot
+be negative: where the calibration run took less than a model's other terms
+(the additive model's C + K / beta, when compute and transfer overlap), that
+model cannot explain the run, its alpha is set to 0 and the value the run
+asked for is kept as alpha_calibrated_s. The crossover of a policy is the
 highest link rate at which it is faster than the baseline: measured, the
 highest swept rate where its median step time is below the baseline's; and
 predicted, where the model's two step times are equal (bisection on the rate).
@@ -75,9 +78,11 @@ def calibrate(rows: list[dict], calibration_rate: str) -> dict:
     t_cal = at[(calibration_rate, "baseline")]["median_step_s"]
     m = b["collectives"] or 0.0
     transfer = b["kernel_bytes"] / beta
-    alpha = {"additive": (t_cal - b["compute_s"] - transfer) / m if m else 0.0,
-             "overlapped": (t_cal - transfer) / m if m else 0.0}
+    raw = {"additive": (t_cal - b["compute_s"] - transfer) / m if m else 0.0,
+           "overlapped": (t_cal - transfer) / m if m else 0.0}
+    alpha = {k: max(v, 0.0) for k, v in raw.items()}
     return dict(calibration_rate=calibration_rate, beta_bytes_per_s=beta, alpha_s=alpha,
+                alpha_calibrated_s=raw,
                 calibration_step_s=t_cal, calibration_transfer_s=transfer,
                 effective_bytes_per_s=b["kernel_bytes"] / t_cal,
                 latency_counted=bool(m), policies=policies)
@@ -145,7 +150,7 @@ def predicted_crossover(profile: dict, policy: str, model: str = "overlapped",
     if gap(lo) >= 0:
         return None
     if gap(hi) < 0:
-        return hi
+        return math.inf
     for _ in range(100):  # in log space: the rates span six decades
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
