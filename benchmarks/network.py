@@ -325,7 +325,6 @@ def sweep(args) -> int:
             data["rows"] = [r for r in data["rows"] if not (
                 r["settings"] == settings and (r.get("commit") == commit or "error" in r))] + [row]
             data["warm_steps"] = args.warm_steps
-            data["command"] = "python benchmarks/network.py " + " ".join(args.argv)
             data["ttl"] = time_to_target(data["rows"], args.ttl_rate) if args.ttl_rate else None
             _save(args.out, data)
             print(f"[{n + 1}/{len(todo)}] {_line(row)}", flush=True)
@@ -405,7 +404,6 @@ def parse_args(argv):
     p.add_argument("--count-collectives", action="store_true",
                    help="only add collectives_per_step to the rows of --out that lack it")
     args = p.parse_args(argv)
-    args.argv = list(argv)
     if args.procs not in (2, 4):
         p.error(f"--procs must be 2 or 4; got {args.procs}")
     for name in ("steps", "ttl_eval_every", "timeout"):
