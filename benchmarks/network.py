@@ -7,6 +7,9 @@ a private network namespace whose loopback is rate-limited by tc's token bucket.
         [--set train.batch_size=16 ...] [--timeout 900]
 
 Needs root and iproute2 (`ip`, `tc`); without them it prints one line and exits 2.
+With --procs 4 (2 devices each) the mesh's data axis must split across the
+processes, as train.py feeds each process the batch rows of its own data
+index: e.g. --set mesh.data=4 --set mesh.tensor=2 --set mesh.pipeline=1.
 The namespace (named jcnet-<pid>) holds only a loopback, so no byte can leave
 it; it is removed on every way out (done, error, Ctrl-C, SIGTERM), and one left
 behind by a killed run (its pid gone) is removed on the next start.
@@ -384,7 +387,7 @@ def _key_value(item: str):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--procs", type=int, default=2, help="processes of train.py: 2 or 4")
+    p.add_argument("--procs", type=int, default=2, help="processes of train.py: 2 or 4 (see the module doc for 4)")
     p.add_argument("--config", default="configs/base.py")
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warm-steps", type=int, default=2, help="first steps left out of medians")
