@@ -31,6 +31,11 @@ row (rate x policy) it records:
   - `jcomp.wire`'s bytes for the same compiled step: metrics.jsonl's
     wire_bytes_total is per device, averaged over the mesh, so the link should
     carry it times the number of devices;
+  - what TCP carried: the kernel's bytes less 66 header bytes (Ethernet 14,
+    IPv4 20, TCP 32 with timestamps) per packet, and the TCP segments
+    retransmitted (the namespace's /proc/net/snmp);
+  - the collectives per step jcomp.wire counts (metrics' wire_collectives;
+    --count-collectives adds it to rows recorded before it was logged);
   - losses per step and validation losses.
 Time to the baseline's loss: at --ttl-rate every policy, the baseline too,
 runs again for --ttl-steps steps, evaluating every --ttl-eval-every steps; the
@@ -40,7 +45,9 @@ that rate, or "not reached". All time-to-loss runs share one learning-rate
 schedule (cosine over --ttl-steps), so they differ only by policy.
 
 Results go to --out (JSON, written after every row). A row already there with
-the same settings and git commit is skipped, so an interrupted sweep resumes.
+the same settings and git commit is skipped, so an interrupted sweep resumes
+(rows made with modified tracked files are never reused); rows of other
+commits are kept beside the new ones.
 """
 from __future__ import annotations
 
@@ -321,8 +328,8 @@ def sweep(args) -> int:
                 raw = launch(ns, settings, workdir, args.timeout, args.port + n, args.xla_flags)
                 row.update(summarize(raw, args.warm_steps))
                 shutil.rmtree(workdir, ignore_errors=True)
-            except RuntimeError as e:
-                row["error"] = f"{e} (logs in {workdir})"
+            except (RuntimeError, KeyError, ValueError, StopIteration) as e:
+                row["error"] = f"{type(e).__name__}: {e} (logs in {workdir})"
                 failed += 1
             row["loadavg_after"] = os.getloadavg()[0]
             data["rows"] = [r for r in data["rows"] if not (
@@ -451,6 +458,10 @@ def main(argv=None) -> int:
     except Unavailable as e:
         print(f"network.py: error: cannot make a network namespace: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("network.py: interrupted; its processes are killed and its namespace removed "
+              "(rerun the same command to resume)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

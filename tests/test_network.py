@@ -5,8 +5,10 @@ import importlib.util
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -112,3 +114,33 @@ def test_kernel_bytes_on_a_throttled_link_track_the_meter(tmp_path):
     assert row["startup_bytes"] > 0 and len(row["losses"]) == 5
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert row["namespace"] not in listed.split(), listed
+
+
+@pytest.mark.skipif(bool(_namespaces_unavailable()), reason=str(_namespaces_unavailable()))
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_sweep_kills_its_runs_and_removes_its_namespace(tmp_path, sig):
+    workroot = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--config", "configs/tiny.py",
+                             "--steps", "4", "--rates", "100mbit", "--policies", "baseline",
+                             "--ttl-rate", "", "--workroot", str(workroot),
+                             "--out", str(tmp_path / "network.json")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    name = f"{net.PREFIX}{proc.pid}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not list(workroot.glob("*/process1.log")):
+        time.sleep(0.05)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert name in listed.split(), listed
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0, err
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert name not in listed.split(), listed
+    alive = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(workroot).encode() in cmdline.read_bytes():
+                alive.append(cmdline.parent.name)
+        except OSError:
+            pass
+    assert not alive, f"train.py processes left running: {alive}"
