@@ -3,6 +3,14 @@
     python benchmarks/projection.py [--clusters lassen h100-ndr] [--gpus 192]
         [--measured benchmarks/results/convergence/summary.json]
         [--placement tensor=intra pipeline=inter data=inter] [--json PATH]
+        [--network benchmarks/results/network.json] [--calibration-rate 100mbit]
+
+With --network (read when the file exists), the model also meets a real link:
+benchmarks/linkprofile.py calibrates a profile of benchmarks/network.py's
+throttled loopback from that sweep's unthrottled rows and one throttled run,
+predicts every other row, and prints predicted beside measured with their
+ratio, for the additive model used below and for one that lets compute and
+communication overlap; then each policy's crossover rate, measured and predicted.
 
 The model (alpha-beta, no overlap of communication with compute):
 
@@ -65,6 +73,7 @@ AXES = ("data", "tensor", "pipeline")
 POLICIES = ("baseline", "naive", "hybrid")
 DEFAULT_MEASURED = os.path.join("benchmarks", "results", "convergence", "summary.json")
 DEFAULT_JSON = os.path.join("benchmarks", "results", "projection.json")
+DEFAULT_NETWORK = os.path.join("benchmarks", "results", "network.json")
 # Xu et al., CCGrid 2024, GPT-NeoX-20B on 192 V100s of Lassen, gains over no compression.
 PAPER = {"naive": {"tflops_gain_pct": 22.5, "samples_gain_pct": 23.6},
          "hybrid": {"tflops_gain_pct": 17.3, "samples_gain_pct": 12.7}}
@@ -290,6 +299,26 @@ def parse_placement(items) -> dict:
     return out
 
 
+def print_link(link: dict):
+    prof = link["profile"]
+    print(f"link profile (network.json at {link['commit'][:7]}): beta {prof['beta_bytes_per_s'] / 1e6:.2f} "
+          f"MB/s, alpha additive {prof['alpha_s']['additive'] * 1e3:+.3f} ms, overlapped "
+          f"{prof['alpha_s']['overlapped'] * 1e3:+.3f} ms per collective (calibrated on the "
+          f"baseline at {prof['calibration_rate']})")
+    for r in link["rows"]:
+        pred, ratio = r["predicted_s"], r["ratio"]
+        print(f"{r['rate']:>11} {r['policy']:>8}: measured {r['measured_s']:.3f} s, additive "
+              f"{pred['additive']:.3f} s (x{ratio['additive']:.2f}), overlapped "
+              f"{pred['overlapped']:.3f} s (x{ratio['overlapped']:.2f}) [{r['role']}]")
+    for policy, c in link["crossover"].items():
+        m = c["measured"]
+        print(f"crossover {policy}: measured beats the baseline up to "
+              f"{m['beats_baseline_up_to'] or 'no swept rate'}"
+              + (f", not at {m['loses_from']}" if m.get("loses_from") else "")
+              + f"; predicted up to {c['predicted']['overlapped']} (overlapped), "
+              f"{c['predicted']['additive']} (additive)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clusters", nargs="+", default=list(CLUSTERS))
@@ -297,6 +326,8 @@ def main(argv=None) -> int:
     p.add_argument("--measured", default=DEFAULT_MEASURED)
     p.add_argument("--placement", nargs="*", default=None)
     p.add_argument("--json", default=DEFAULT_JSON)
+    p.add_argument("--network", default=DEFAULT_NETWORK)
+    p.add_argument("--calibration-rate", default="100mbit")
     args = p.parse_args(argv)
     try:
         unknown = [c for c in args.clusters if c not in CLUSTERS]
@@ -305,6 +336,12 @@ def main(argv=None) -> int:
         placement = parse_placement(args.placement)
         shape = neox20b(args.gpus)
         ratios = measured_ratios(args.measured)
+        link = None
+        if os.path.exists(args.network):
+            from benchmarks import linkprofile
+            with open(args.network) as f:
+                link = linkprofile.link_report(json.load(f), args.calibration_rate)
+            link["network_from"] = os.path.relpath(os.path.abspath(args.network), ROOT)
     except (ValueError, OSError) as e:
         print(f"projection.py: error: {e}", file=sys.stderr)
         return 2
@@ -312,6 +349,9 @@ def main(argv=None) -> int:
                   measured_from=os.path.relpath(os.path.abspath(args.measured), ROOT),
                   shape=shape, paper=PAPER,
                   clusters={c: project(CLUSTERS[c], shape, placement, ratios) for c in args.clusters})
+    if link:
+        result["link"] = link
+        print_link(link)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1, allow_nan=False)

@@ -29,7 +29,8 @@ def get_config():
         steps=200, batch_size=16, microbatches=2, remat=False,
         log_every=10, eval_every=50,
         nonfinite="skip",      # "skip": drop the update and count it; "stop": exit 1
-        ef_reset_norm=0.0))    # >0: reset error-feedback residuals whose norm passes it
+        ef_reset_norm=0.0,     # >0: reset error-feedback residuals whose norm passes it
+        profile_steps=""))     # "A-B": a jax.profiler trace of steps A..B in WORKDIR/profile/
 
     c.optim = ml_collections.ConfigDict(dict(
         lr=3e-3, warmup_steps=20, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,

@@ -18,6 +18,17 @@ whose real value is one of those three strings would read back as a float.
 
 A resumed run appends records for the steps it repeats after its checkpoint;
 `plot` draws the last record written for each x.
+
+TensorBoard. `MetricsWriter(path, tensorboard=True)` also writes every numeric
+metric as a scalar (tag = its name, step = the record's "step") to a
+TensorBoard event file beside metrics.jsonl, through tensorboardX's
+SummaryWriter: `tensorboard --logdir runs/` then shows each run directory as a
+run. Non-finite values go to TensorBoard as they are.
+
+Profiling. `StepProfiler(parse_profile_steps("A-B", total), logdir)` runs a
+`jax.profiler` trace from the start of step A to the end of step B (steps
+counted from 1, as in metrics.jsonl); TensorBoard's profile plugin or Perfetto
+read what it writes under logdir/plugins/profile/.
 """
 from __future__ import annotations
 
@@ -81,21 +92,81 @@ def to_json_line(record: Mapping) -> str:
 class MetricsWriter:
     """Appends one JSON object per line to `path` (a file, or a directory's
     metrics.jsonl), flushed line by line so a crash loses at most the current one.
-    In a multi-process run, create it on process 0 only."""
+    With tensorboard=True, numeric metrics also go to a TensorBoard event file in
+    the same directory. In a multi-process run, create it on process 0 only."""
 
-    def __init__(self, path):
+    def __init__(self, path, tensorboard: bool = False):
         self.path = metrics_path(path)
         parent = os.path.dirname(self.path)
         if parent:
             os.makedirs(parent, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(parent or ".", flush_secs=10)
 
     def write(self, record: Mapping):
-        self._file.write(to_json_line(record) + "\n")
+        line = to_json_line(record)  # validates every value before either file sees it
+        self._file.write(line + "\n")
         self._file.flush()
+        if self._tb is not None and isinstance(record.get("step"), numbers.Integral):
+            for key, value in record.items():
+                if key != "step" and not isinstance(value, (str, bool, np.bool_)) \
+                        and value is not None:
+                    self._tb.add_scalar(key, float(np.asarray(value).reshape(())), record["step"])
 
     def close(self):
         self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def parse_profile_steps(spec: str, total_steps: int, field: str = "train.profile_steps"):
+    """"A-B" -> (A, B) with 1 <= A <= B <= total_steps; "" -> None. ValueError
+    naming `field` otherwise."""
+    if spec is None or spec == "":
+        return None
+    parts = spec.split("-") if isinstance(spec, str) else []
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"{field}={spec!r}: want FIRST-LAST step numbers, e.g. '5-7', or ''")
+    first, last = (int(p) for p in parts)
+    if not 1 <= first <= last <= total_steps:
+        raise ValueError(f"{field}={spec!r}: need 1 <= FIRST <= LAST <= train.steps "
+                         f"({total_steps})")
+    return first, last
+
+
+class StepProfiler:
+    """A jax.profiler trace of steps [first, last] (see the module doc); inert for
+    steps=None. Leaving the `with` block stops a trace still running."""
+
+    def __init__(self, steps, logdir: str):
+        self.steps, self.logdir, self.active = steps, logdir, False
+
+    def step_starting(self, step_no: int):
+        """Called before step `step_no` (from 1) runs."""
+        if self.steps and not self.active and self.steps[0] <= step_no <= self.steps[1]:
+            import jax
+            jax.profiler.start_trace(self.logdir)
+            self.active = True
+
+    def step_done(self, step_no: int):
+        """Called once step `step_no` has finished (its result waited on)."""
+        if self.active and step_no >= self.steps[1]:
+            self.close()
+
+    def close(self):
+        if self.active:
+            import jax
+            self.active = False
+            jax.profiler.stop_trace()
 
     def __enter__(self):
         return self

@@ -143,6 +143,10 @@ def validate(cfg, n_devices: int):
         raise UsageError(f"optim.zero_stage={cfg.optim.zero_stage!r}; allowed: 1, 2")
     if cfg.train.nonfinite not in ("skip", "stop"):
         raise UsageError(f"train.nonfinite={cfg.train.nonfinite!r}; allowed: skip, stop")
+    try:
+        metrics_lib.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if cfg.data.seq_len > model_cfg.max_seq_len:
         raise UsageError(f"data.seq_len={cfg.data.seq_len} exceeds "
                          f"model.max_seq_len={model_cfg.max_seq_len}")
@@ -368,14 +372,17 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         return float(np.mean([float(evals[phase](params, _global_batch(
             mesh, b, cfg.train.batch_size))) for b in val]))
 
-    writer = metrics_lib.MetricsWriter(os.path.join(workdir, "metrics.jsonl")) \
+    writer = metrics_lib.MetricsWriter(os.path.join(workdir, "metrics.jsonl"), tensorboard=True) \
         if jax.process_index() == 0 else None
+    profiler = metrics_lib.StepProfiler(
+        metrics_lib.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps),
+        os.path.join(workdir, "profile", f"process{jax.process_index()}"))
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     lr_at = _lr(cfg)
     logged_variant = None  # the step variant whose static metrics were last logged
     last = {}
     with _StopFlag() as stop, metrics_lib.Progress(cfg.train.steps, start) as bar, \
-            _finishing(ckpt, writer):
+            _finishing(ckpt, writer), profiler:
         for i in range(start, cfg.train.steps):
             rows = train_ds.local_batch(i, jax.process_index(), jax.process_count())
             if hooks.get("JCOMP_TEST_NAN_STEP") == i + 1:
@@ -383,11 +390,13 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
             batch = _global_batch(mesh, rows, cfg.train.batch_size)
             phase = schedule_lib.phase_at(phases, i)
             exe, report = compiled_step(phase, state, batch)
+            profiler.step_starting(i + 1)
             t0 = time.perf_counter()
             state, m = exe(state, batch)
             # Waiting on every step also keeps emulated CPU devices from deadlocking.
             loss = float(m["loss"])
             dt = time.perf_counter() - t0
+            profiler.step_done(i + 1)
             done = i + 1
             if not bool(m["finite"]):
                 msg = f"non-finite loss or gradient norm at step {done} (loss={loss})"
@@ -507,6 +516,8 @@ def _static_metrics(report: wire.WireReport, state) -> dict:
     """What the compiled step sends per axis, and what state sits on a device."""
     out = {f"wire_bytes_{axis}": float(v) for axis, v in report.by_axis().items()}
     out["wire_bytes_total"] = float(report.total())
+    # Collective executions per step (mesh average): what a per-message latency costs.
+    out["wire_collectives"] = float(sum(c.count * c.share for c in report.collectives))
     if report.notes:
         out["wire_notes"] = " | ".join(report.notes)
     return {**out,

@@ -151,3 +151,98 @@ def test_measured_ratios_need_baseline_and_a_compressed_run(tmp_path):
     assert proj.measured_ratios(str(path)) == {
         "baseline": {"data": 1.0, "tensor": 1.0, "pipeline": 1.0},
         "naive": {"data": 0.13, "tensor": 1.0, "pipeline": 0.2}}
+
+
+# ---------------------------------------------------------------- the throttled link
+
+def _link():
+    spec = importlib.util.spec_from_file_location("bench_linkprofile",
+                                                  ROOT / "benchmarks" / "linkprofile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+link = _link()
+RATES = {"unthrottled": None, "1gbit": 1e9, "300mbit": 3e8, "100mbit": 1e8}
+
+
+def _world(compute, kbytes, msgs, alpha):
+    """network.json rows of a link that is exactly the overlapped model."""
+    rows = []
+    for rate, bits in RATES.items():
+        for p in compute:
+            t = compute[p] if bits is None else max(compute[p], kbytes[p] * 8 / bits + alpha * msgs[p])
+            rows.append(dict(settings=dict(kind="sweep", rate=rate, policy=p), commit="abc",
+                             median_step_s=t, kernel_bytes_per_step=kbytes[p],
+                             collectives_per_step=msgs[p]))
+    return rows
+
+
+COMPUTE = {"baseline": 0.6, "hybrid": 0.8}
+KBYTES = {"baseline": 80e6, "hybrid": 20e6}
+MSGS = {"baseline": 400.0, "hybrid": 900.0}
+
+
+def test_link_profile_calibrates_alpha_from_one_throttled_run_by_hand():
+    prof = link.calibrate(_world(COMPUTE, KBYTES, MSGS, 1e-4), "100mbit")
+    assert prof["beta_bytes_per_s"] == 12.5e6
+    t_cal = 80e6 / 12.5e6 + 1e-4 * 400  # 6.44 s
+    assert prof["calibration_step_s"] == pytest.approx(t_cal)
+    assert prof["alpha_s"]["overlapped"] == pytest.approx(1e-4)
+    # Overlap is what the additive model cannot explain: it would need a negative latency.
+    assert prof["alpha_calibrated_s"]["additive"] == pytest.approx((t_cal - 0.6 - 6.4) / 400)
+    assert prof["alpha_calibrated_s"]["additive"] < 0 and prof["alpha_s"]["additive"] == 0
+
+
+def test_overlapped_model_predicts_its_own_world_and_additive_does_not():
+    rows = _world(COMPUTE, KBYTES, MSGS, 1e-4)
+    compared = link.link_report({"rows": rows})["rows"]
+    assert len(compared) == 8
+    for r in compared:
+        assert r["ratio"]["overlapped"] == pytest.approx(1.0), r
+    # At 300 Mbit/s hybrid computes for 0.8 s and its link needs 0.53 + 0.09 s: overlapped
+    # 0.8 s. Additive adds the two (its latency is 0: see the calibration test).
+    one = next(r for r in compared if (r["rate"], r["policy"]) == ("300mbit", "hybrid"))
+    assert one["predicted_s"]["additive"] == pytest.approx(0.8 + 20e6 * 8 / 3e8)
+    assert one["ratio"]["additive"] > 1.15 and one["role"] == "predicted"
+    assert {r["role"] for r in compared if r["rate"] == "unthrottled"} == {"compute"}
+
+
+def test_crossover_measured_and_predicted_by_hand():
+    rows = _world(COMPUTE, KBYTES, MSGS, 1e-4)
+    prof = link.calibrate(rows, "100mbit")
+    # hybrid 0.8 s up to where 20e6*8/R + 0.09 = 0.8, i.e. R = 225 Mbit/s; the baseline's
+    # link time 80e6*8/R + 0.04 equals 0.8 at R = 842 Mbit/s: hybrid wins below that.
+    assert link.measured_crossover(rows, "hybrid") == dict(
+        beats_baseline_up_to="300mbit", loses_from="1gbit", consistent=True)
+    bits = link.predicted_crossover(prof, "hybrid", "overlapped")
+    assert bits == pytest.approx(80e6 * 8 / (0.8 - 0.04), rel=1e-6)
+    assert link.human_rate(bits) == "842 Mbit/s"
+    assert link.human_rate(None) == "never" and link.human_rate(math.inf) == "unthrottled"
+
+
+def test_link_report_needs_the_baseline_rows():
+    rows = [r for r in _world(COMPUTE, KBYTES, MSGS, 1e-4) if r["settings"]["policy"] != "baseline"]
+    with pytest.raises(ValueError, match="baseline"):
+        link.link_report({"rows": rows})
+    with pytest.raises(ValueError, match="throttled"):
+        link.calibrate(_world(COMPUTE, KBYTES, MSGS, 1e-4), "unthrottled")
+    json.dumps(link.link_report({"rows": _world(COMPUTE, KBYTES, MSGS, 1e-4)}), allow_nan=False)
+
+
+def test_report_states_the_projection_with_communication_hidden_behind_compute():
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+
+    def row(compute, comm, codec):
+        total = compute + comm + codec
+        return dict(total_s=total, compute_s=compute, codec_s=codec, gain_pct=0.0,
+                    comm_s={"data": comm, "tensor": 0.0, "pipeline": 0.0})
+    res = {"paper": proj.PAPER, "clusters": {"c": {"policies": {
+        "baseline": row(10.0, 2.0, 0.0), "naive": row(10.0, 0.5, 0.5),
+        "hybrid": row(10.0, 1.0, 0.25)}}}}
+    text = "\n".join(report.projection_claims(res))
+    # Hidden: every step is max(10, comm) + codec: 10, 10.5 and 10.25 s.
+    assert f"naive {100 * (10 / 10.5 - 1):+.1f}%, hybrid {100 * (10 / 10.25 - 1):+.1f}%" in text

@@ -1,0 +1,146 @@
+"""benchmarks/network.py: train.py over a throttled loopback in a private
+network namespace, checked against jcomp.wire's byte meter."""
+import functools
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "network.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_network", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+net = _load()
+
+
+@functools.cache
+def _namespaces_unavailable():
+    reason = net.unavailable_reason()
+    if reason:
+        return reason
+    try:
+        with net.Namespace(f"{net.PREFIX}{os.getpid()}probe"):
+            return None
+    except net.Unavailable as e:
+        return str(e)
+
+
+def test_rates_parse_in_tc_units():
+    assert net.rate_bits("unthrottled") is None
+    assert net.rate_bits("100mbit") == 1e8
+    assert net.rate_bits("1gbit") == 1e9
+    assert net.rate_bits("2.5kbit") == 2500.0
+    for bad in ("100", "100mbps", "-1mbit", "0mbit", "fast"):
+        with pytest.raises(ValueError, match="rate"):
+            net.rate_bits(bad)
+
+
+def test_missing_tools_give_one_line_and_exit_2(tmp_path):
+    out = tmp_path / "network.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, "PATH": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ip and tc not found" in lines[0], proc.stderr
+    assert not out.exists()
+
+
+def _row(policy, kind, steps, val_losses, step_s=1.0, date="2026-12-01T10:00", commit="a"):
+    return {"settings": {"rate": "100mbit", "policy": policy, "kind": kind, "steps": steps},
+            "val_losses": {str(k): v for k, v in val_losses.items()}, "date": date,
+            "commit": commit, "final_val_loss": val_losses[steps], "step_times_s": [step_s] * steps}
+
+
+def test_time_to_target_is_the_first_evaluation_at_or_below_the_baselines_loss():
+    rows = [_row("baseline", "sweep", 4, {4: 2.0}, step_s=3.0),
+            _row("hybrid", "sweep", 4, {4: 2.5}),  # the sweep row is not the time-to-loss run
+            _row("hybrid", "ttl", 8, {2: 2.6, 4: 2.2, 6: 1.99, 8: 1.9}),
+            _row("naive", "ttl", 8, {2: 2.9, 4: 2.5, 6: 2.3, 8: 2.1})]
+    ttl = net.time_to_target(rows, "100mbit")
+    assert ttl["target_val_loss"] == 2.0
+    assert ttl["policies"]["baseline"] == dict(kind="sweep", commit="a", steps_run=4, reached=True,
+                                               step=4, time_s=12.0, best_val_loss=2.0)
+    assert ttl["policies"]["hybrid"]["step"] == 6 and ttl["policies"]["hybrid"]["time_s"] == 6.0
+    assert ttl["policies"]["naive"]["reached"] is False
+    assert ttl["policies"]["naive"]["time_s"] is None
+    # The baseline's own time-to-loss run, newer and from another commit, replaces its sweep run.
+    rows.append(_row("baseline", "ttl", 8, {2: 2.4, 4: 2.1, 6: 1.95, 8: 1.9}, step_s=3.0,
+                     date="2026-12-01T11:00", commit="b"))
+    base = net.time_to_target(rows, "100mbit")["policies"]["baseline"]
+    assert (base["kind"], base["commit"], base["step"], base["time_s"]) == ("ttl", "b", 6, 18.0)
+
+
+@pytest.mark.skipif(bool(_namespaces_unavailable()), reason=str(_namespaces_unavailable()))
+def test_kernel_bytes_on_a_throttled_link_track_the_meter(tmp_path):
+    """2 processes x 4 devices, 300 Mbit/s, a d_model=128 model so that messages
+    are large next to their headers.
+
+    Tolerance: the TCP payload (the kernel's lo bytes less 66 header bytes per
+    packet: Ethernet 14, IPv4 20, TCP 20 + 12 of timestamps) is within 10% of
+    the sum over the 8 devices of the metered bytes. The rest of the 10% is
+    gloo's own framing (a small header per message), which the meter does not
+    count and which was about 1% of the payload here. And the step takes at
+    least the time the link needs for those bytes, so they did cross it."""
+    out = tmp_path / "network.json"
+    cmd = [sys.executable, str(SCRIPT), "--config", "configs/tiny.py", "--steps", "5",
+           "--warm-steps", "1", "--warmup-steps", "1", "--rates", "300mbit", "--policies",
+           "baseline", "--ttl-rate", "", "--set", "model.d_model=128", "--set", "model.d_ff=256",
+           "--xla-flags=--xla_backend_optimization_level=0", "--timeout", "120",
+           "--workroot", str(tmp_path / "runs"), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "tbf" in row["qdisc"] and "300Mbit" in row["qdisc"], row["qdisc"]
+    assert row["header_bytes_per_packet"] == 66
+    meter = row["meter_bytes_per_step"]
+    assert meter == pytest.approx(8 * row["wire_bytes_per_device"]["total"])
+    assert 0.9 <= row["payload_over_meter"] <= 1.1, row
+    assert row["kernel_bytes_per_step"] > row["tcp_payload_per_step"]
+    assert row["median_step_s"] >= 0.9 * row["kernel_bytes_per_step"] * 8 / 300e6, row
+    assert row["startup_bytes"] > 0 and len(row["losses"]) == 5
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert row["namespace"] not in listed.split(), listed
+
+
+@pytest.mark.skipif(bool(_namespaces_unavailable()), reason=str(_namespaces_unavailable()))
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_sweep_kills_its_runs_and_removes_its_namespace(tmp_path, sig):
+    workroot = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--config", "configs/tiny.py",
+                             "--steps", "4", "--rates", "100mbit", "--policies", "baseline",
+                             "--ttl-rate", "", "--workroot", str(workroot),
+                             "--out", str(tmp_path / "network.json")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    name = f"{net.PREFIX}{proc.pid}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not list(workroot.glob("*/process1.log")):
+        time.sleep(0.05)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert name in listed.split(), listed
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0, err
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert name not in listed.split(), listed
+    alive = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(workroot).encode() in cmdline.read_bytes():
+                alive.append(cmdline.parent.name)
+        except OSError:
+            pass
+    assert not alive, f"train.py processes left running: {alive}"
