@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp import codecs as codecs_lib
+from jcomp import collectives as cc
 from jcomp import optimizer, parallel
 
 DATA = parallel.DATA
@@ -53,13 +54,13 @@ def _metric_specs(pol):
 
 
 def _draws_randomness(pol) -> bool:
-    return any(getattr(codecs_lib.parse(pol["data", k]) if isinstance(pol["data", k], str)
-                       else pol["data", k], "needs_key", False) for k in ("grad", "param"))
+    """Whether the optimizer's messages (data.grad, data.param) need a key."""
+    return any(codecs_lib.parse(pol["data", k]).needs_key for k in ("grad", "param"))
 
 
 def make_train_step(model_cfg, mesh, pol, tx, params_shapes, *, microbatches, zero_stage,
                     clip_norm, remat=False, compress=True, seed=0,
-                    bucket_bytes=optimizer.cc.DEFAULT_BUCKET_BYTES):
+                    bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
     """A jitted fn(state, batch [B, L+1] int32) -> (state, metrics).
 
     `pol` lays out the state. `compress` picks what every collective sends:
