@@ -348,6 +348,7 @@ def _open_checkpoints(cfg, workdir):
                          "stopped mid-save)", path)
     newest = ckpt.latest_step()
     if newest is not None and cfg.train.steps < newest:
+        ckpt.close()
         raise UsageError(f"train.steps={cfg.train.steps} is below step {newest} of the newest "
                          f"checkpoint in {ckpt_dir}; allowed: >= {newest} (or another --workdir)")
     return ckpt
@@ -395,6 +396,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, locks: list) -> dict:
                                     expect_meta={"fingerprint": fingerprint},
                                     check_meta=_data_mismatches(train_ds))
     except checkpoint.CheckpointError as e:  # it lists every step it skipped
+        ckpt.close()
         hint = "" if e.failures else "; rerun with the values it was written for, or " \
             "pass another --workdir"
         raise UsageError(f"checkpoint: {e}{hint}") from None
