@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
@@ -317,10 +318,29 @@ class _FailedSaveFilter(logging.Filter):
         return True
 
 
+def _is_closed_loop_callback(exc, tb) -> bool:
+    """Whether `exc` is a TensorStore completion arriving after orbax closed the
+    event loop of a failed save: raised by call_soon_threadsafe, called from C."""
+    return (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+            and tb is not None and tb.tb_frame.f_code.co_name == "call_soon_threadsafe")
+
+
 def _demote_failed_save_errors():
     absl_log = logging.getLogger("absl")  # orbax logs through absl.logging
     if not any(isinstance(f, _FailedSaveFilter) for f in absl_log.filters):
         absl_log.addFilter(_FailedSaveFilter())
+    # After a failed save, TensorStore reports each write still in flight with
+    # PyErr_Print (so through sys.excepthook): a traceback ending in "Event loop is
+    # closed" apiece. The failure is raised once as SaveError; those go to debug.
+    hook = sys.excepthook
+    if not getattr(hook, "_jcomp_save_filter", False):
+        def excepthook(kind, exc, tb):
+            if _is_closed_loop_callback(exc, tb):
+                _log.debug("TensorStore write after a failed save: %s", exc)
+                return
+            hook(kind, exc, tb)
+        excepthook._jcomp_save_filter = True
+        sys.excepthook = excepthook
 
 
 # ---------------------------------------------------------------- the manager

@@ -564,8 +564,9 @@ def _umount(path):
     subprocess.run(["umount", str(path)], capture_output=True)
 
 
-def _disk_usage(path):
-    return sum(os.lstat(os.path.join(r, f)).st_blocks * 512
+def _tmpfs_usage(path):
+    """Bytes the files under `path` would take on a tmpfs (whole 4 KiB pages)."""
+    return sum(-(-os.path.getsize(os.path.join(r, f)) // 4096) * 4096
                for r, _, fs in os.walk(path) for f in fs)
 
 
@@ -574,7 +575,7 @@ def test_disk_full_stops_at_the_failing_save_and_resume_is_exact(reference, tmp_
     fails. The run stops with exit 3 and one line saying the disk is full and
     that step 4 is safe; nothing of step 8 is left. With space freed, the same
     command resumes from step 4 and repeats the reference bit for bit."""
-    one = _disk_usage(os.path.join(ckpt_dir(reference), "4"))
+    one = _tmpfs_usage(os.path.join(ckpt_dir(reference), "4"))
     mnt = tmp_path / "small"
     _mount_tmpfs(mnt, (int(1.5 * one) // 4096 + 16) * 4096)
     try:
@@ -619,11 +620,12 @@ def test_read_only_workdir_exits_2_and_changes_nothing(finished, tmp_path):
 
 
 def test_checkpoint_directory_lost_mid_run_ends_within_60_s(tmp_path):
-    """checkpoints/ replaced by a file after the first step: the save of step 4
-    cannot create its directory. The run ends (exit 3, one line naming the
-    step) instead of waiting forever on orbax's threads at exit."""
+    """checkpoints/ replaced by a file after the first step: the save of step 8
+    cannot create its directory. The run ends at the next step (exit 3, one
+    line naming the step) instead of waiting forever on orbax's threads at exit."""
     workdir = str(tmp_path / "lost")
-    proc = start(workdir, *TINY, JCOMP_TEST_STEP_SLEEP=0.5)
+    # The first save comes 7 steps of at least 0.4 s after the fault's cue.
+    proc = start(workdir, *TINY, "--config.checkpoint.every=8", JCOMP_TEST_STEP_SLEEP=0.4)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None and not (
@@ -642,5 +644,5 @@ def test_checkpoint_directory_lost_mid_run_ends_within_60_s(tmp_path):
     assert proc.returncode == 3, err[-3000:]
     lines = error_lines(err)
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
-    assert "step 4" in lines[0] and ckpt_dir(workdir) in lines[0], lines[0]
+    assert "step 8" in lines[0] and ckpt_dir(workdir) in lines[0], lines[0]
     assert max(r["step"] for r in records(workdir)) < STEPS
