@@ -319,28 +319,37 @@ class _FailedSaveFilter(logging.Filter):
 
 
 def _is_closed_loop_callback(exc, tb) -> bool:
-    """Whether `exc` is a TensorStore completion arriving after orbax closed the
-    event loop of a failed save: raised by call_soon_threadsafe, called from C."""
-    return (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
-            and tb is not None and tb.tb_frame.f_code.co_name == "call_soon_threadsafe")
+    """Whether `exc` is asyncio refusing a callback because its event loop is
+    closed: raised by `_check_closed` called from `call_soon_threadsafe`."""
+    if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+        return False
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return names[-2:] == ["call_soon_threadsafe", "_check_closed"]
+
+
+def _unraisable_filter(previous):
+    """A sys.unraisablehook that drops TensorStore's reports of writes finishing
+    after orbax closed a failed save's event loop (one traceback apiece, ending
+    in "Event loop is closed"; the failure itself is raised once as SaveError)
+    and passes everything else to `previous`."""
+    def hook(unraisable):
+        if _is_closed_loop_callback(unraisable.exc_value, unraisable.exc_traceback):
+            _log.debug("TensorStore write after a failed save: %s", unraisable.exc_value)
+            return
+        previous(unraisable)
+    hook.jcomp_save_filter = True
+    return hook
 
 
 def _demote_failed_save_errors():
     absl_log = logging.getLogger("absl")  # orbax logs through absl.logging
     if not any(isinstance(f, _FailedSaveFilter) for f in absl_log.filters):
         absl_log.addFilter(_FailedSaveFilter())
-    # After a failed save, TensorStore reports each write still in flight with
-    # PyErr_Print (so through sys.excepthook): a traceback ending in "Event loop is
-    # closed" apiece. The failure is raised once as SaveError; those go to debug.
-    hook = sys.excepthook
-    if not getattr(hook, "_jcomp_save_filter", False):
-        def excepthook(kind, exc, tb):
-            if _is_closed_loop_callback(exc, tb):
-                _log.debug("TensorStore write after a failed save: %s", exc)
-                return
-            hook(kind, exc, tb)
-        excepthook._jcomp_save_filter = True
-        sys.excepthook = excepthook
+    if not getattr(sys.unraisablehook, "jcomp_save_filter", False):
+        sys.unraisablehook = _unraisable_filter(sys.unraisablehook)
 
 
 # ---------------------------------------------------------------- the manager
