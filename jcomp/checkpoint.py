@@ -38,6 +38,7 @@ one should leave with `os._exit`, as `train.py` does.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -80,7 +81,7 @@ def _is_disk_full(e: BaseException) -> bool:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if getattr(e, "errno", None) == 28 or "No space left on device" in str(e):
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -312,7 +313,9 @@ class _FailedSaveFilter(logging.Filter):
     go to this module's debug log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and "/orbax/" in (record.pathname or ""):
+        # Only errors logged with their exception: what wait() raises again.
+        if record.levelno >= logging.ERROR and record.exc_info \
+                and "/orbax/" in (record.pathname or ""):
             _log.debug("orbax during a failed save: %s", record.getMessage().splitlines()[0])
             return False
         return True
