@@ -44,6 +44,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
@@ -432,7 +433,7 @@ class Checkpointer:
         if jax.process_index() == 0:
             for name in names:
                 if name.startswith(f"{step}{TMP_MARK}") or (name == str(step) and not committed(name)):
-                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                    _remove_tree(os.path.join(self.directory, name))
         done = [int(n) for n in names if n.isdigit() and committed(n)]
         raise SaveError(step, self.directory, _reason(e), _is_disk_full(e),
                         max(done) if done else None) from None
@@ -559,6 +560,17 @@ class Checkpointer:
         if bad:
             raise _Unusable(f"checksum mismatch in {bad}")
         return Restored(state, meta, step)
+
+
+def _remove_tree(path: str, limit_s: float = 2.0):
+    """rmtree, repeated for a while: writes of the failed save still in flight
+    may add files while it runs. What outlives `limit_s` is a temporary
+    directory, which restore ignores and `remove_unfinished` deletes next time."""
+    start = time.monotonic()
+    while os.path.lexists(path) and time.monotonic() - start < limit_s:
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):
+            time.sleep(0.05)
 
 
 class _Unusable(Exception):

@@ -587,7 +587,10 @@ def test_disk_full_stops_at_the_failing_save_and_resume_is_exact(reference, tmp_
         lines = error_lines(proc.stderr)
         assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert "disk full" in lines[0] and "last complete checkpoint is step 4" in lines[0], lines[0]
-        assert sorted(os.listdir(ckpt_dir(workdir))) == ["4"], os.listdir(ckpt_dir(workdir))
+        # No step 8 for a resume to find (a temporary directory that late writes
+        # kept alive may remain: restore ignores it, the next start deletes it).
+        left = [n for n in os.listdir(ckpt_dir(workdir)) if TMP_MARK not in n]
+        assert left == ["4"], os.listdir(ckpt_dir(workdir))
 
         _remount(mnt, "size=64m")
         before = n_records(workdir)
@@ -597,7 +600,7 @@ def test_disk_full_stops_at_the_failing_save_and_resume_is_exact(reference, tmp_
         assert [r["step"] for r in resumed] == list(range(5, STEPS + 1)), "did not resume from 4"
         full = losses(records(reference))
         assert all(r["loss"] == full[r["step"]] for r in resumed), (resumed, full)
-        assert committed_steps(workdir) == [4, 8, 10]
+        assert committed_steps(workdir) == [4, 8, 10] and not unfinished_saves(workdir)
     finally:
         _umount(mnt)
 
