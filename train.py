@@ -9,42 +9,66 @@ Multi-host: every process runs the same command. On SLURM or Open MPI clusters
 --coordinator_address, --num_processes and --process_id (or the environment
 variables JCOMP_COORDINATOR, JCOMP_NUM_PROCESSES, JCOMP_PROCESS_ID).
 
-Exit codes: 0 done (or stopped by SIGTERM/SIGINT after saving), 1 stopped on a
-non-finite loss, 2 bad configuration or input (one line on stderr).
+Exit codes: 0 done (or stopped by SIGTERM / a first Ctrl-C, after saving the
+step in flight, or before the first step with nothing to save), 1 stopped on
+non-finite losses, 2 bad configuration, flags, input or workdir, or the workdir
+in use by another trainer (one line on stderr, the workdir untouched), 3 a
+write failed mid-run, e.g. disk full (one line naming the last complete
+checkpoint), 130 a second Ctrl-C (stopped at once, nothing saved).
 """
 import os
 import re
 import sys
-
-from absl import app, flags, logging
-from ml_collections import config_flags
+import traceback
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # configs/ import configs.base
 
-config_flags.DEFINE_config_file("config", os.path.join(_HERE, "configs", "base.py"),
-                                "Config file (python, get_config()).", lock_config=True)
+from jcomp import faults  # noqa: E402  (no JAX: the signal handlers go in first)
+
+_STOP = faults.StopFlag().install()
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import ConfigDict, config_flags  # noqa: E402
+
+EXIT_NONFINITE, EXIT_USAGE, EXIT_WRITE = 1, 2, 3
+_ENV_ERRORS = []
+
+
+def _env_int(name, default=None):
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        _ENV_ERRORS.append(f"environment variable {name}={raw!r} must be an integer")
+        return default
+
+
+_DEFAULT_CONFIG = os.path.join(_HERE, "configs", "base.py")
+config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Config file (python, get_config()).",
+                                lock_config=True)
 flags.DEFINE_string("workdir", None, "Checkpoints and metrics.jsonl go here; rerunning resumes. "
                     "Default: runs/<config file name>.")
 flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (cluster auto-detection).")
 flags.DEFINE_string("coordinator_address", os.environ.get("JCOMP_COORDINATOR"), "host:port of process 0.")
-flags.DEFINE_integer("num_processes", int(os.environ.get("JCOMP_NUM_PROCESSES", 0)) or None,
-                     "Number of processes.")
-flags.DEFINE_integer("process_id", int(os.environ.get("JCOMP_PROCESS_ID", -1)) if
-                     os.environ.get("JCOMP_PROCESS_ID") else None, "This process's id.")
-flags.DEFINE_integer("cpu_devices", int(os.environ.get("JCOMP_CPU_DEVICES", 8)),
-                     "Emulated devices per process when JAX runs on the CPU.")
+flags.DEFINE_integer("num_processes", _env_int("JCOMP_NUM_PROCESSES"), "Number of processes.")
+flags.DEFINE_integer("process_id", _env_int("JCOMP_PROCESS_ID"), "This process's id.")
+flags.DEFINE_integer("cpu_devices", _env_int("JCOMP_CPU_DEVICES", 8),
+                     "Emulated devices per process when JAX runs on the CPU.", lower_bound=1)
 FLAGS = flags.FLAGS
 
 
-def _fail(message: str, code: int = 2):
+def _fail(message: str, code: int = EXIT_USAGE):
     line = f"train.py: error: {message}".replace("\n", " ") + "\n"
     sys.stdout.flush()
     sys.stderr.flush()
     # Our line is the last word: background threads (orbax's asyncio readers after
-    # a failed restore) may still be writing tracebacks, so descriptors 1 and 2 go to
-    # /dev/null before our line is written to a copy of stderr, and the interpreter
-    # exits without the teardown that would wake those threads.
+    # a failed restore, its writers after a failed save) may still be writing
+    # tracebacks, or never end, so descriptors 1 and 2 go to /dev/null before our
+    # line is written to a copy of stderr, and the interpreter exits without the
+    # teardown that would wait for those threads.
     err = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
@@ -60,27 +84,106 @@ def _start_jax():
         jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
     if FLAGS.coordinator_address or FLAGS.distributed:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
-                                   num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+        try:
+            jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
+                                       num_processes=FLAGS.num_processes,
+                                       process_id=FLAGS.process_id)
+        except (RuntimeError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if FLAGS.distributed and not FLAGS.coordinator_address:
+                _fail(f"--distributed: no cluster to join ({first}); JAX detects SLURM and "
+                      "Open MPI jobs; elsewhere pass --coordinator_address, --num_processes "
+                      "and --process_id")
+            _fail(f"--coordinator_address={FLAGS.coordinator_address}: joining the cluster "
+                  f"failed: {first}")
     return jax
+
+
+def _config_arg(argv):
+    """The --config value in argv (the last one wins), or None."""
+    value = None
+    for i, a in enumerate(argv[1:], 1):
+        if a.startswith("--config="):
+            value = a.split("=", 1)[1]
+        elif a == "--config" and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+def _config_file(argv) -> tuple[str, str]:
+    """(the --config value as given, the absolute path of its file)."""
+    value = _config_arg(argv) or _DEFAULT_CONFIG
+    return value, os.path.abspath(value.split(":", 1)[0])
+
+
+def _check_config_file(argv):
+    value, path = _config_file(argv)
+    if not os.path.exists(path):
+        _fail(f"--config={value}: no such file; pass a Python file defining get_config(), "
+              "e.g. --config=configs/tiny.py")
+    if not os.path.isfile(path):
+        _fail(f"--config={value}: {path} is a directory; pass a Python file defining get_config()")
+
+
+def _raised_by_config_file(e: BaseException, path: str) -> str | None:
+    """What went wrong inside the config file itself, or None if it did not."""
+    if isinstance(e, SyntaxError) and e.filename and os.path.abspath(e.filename) == path:
+        return f"{type(e).__name__} at line {e.lineno}: {e.msg}"
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == path]
+    text = str(e)
+    if "Error whilst parsing config file" in text:  # ml_collections re-raised it with its trace
+        lines = [l.strip() for l in text.splitlines() if l.strip()]
+        where = re.findall(rf'File "{re.escape(path)}", line (\d+), in (\S+)', text)
+        if where:
+            return f"{where[-1][1]}() raised {lines[-1]} (line {where[-1][0]})"
+        return lines[-1]
+    if frames:
+        f = frames[-1]
+        raiser = f"{f.name}() raised" if f.name != "<module>" else "raised"
+        return f"{raiser} {type(e).__name__}: {text} (line {f.lineno})"
+    return None
+
+
+def _loaded_config(argv):
+    value, path = _config_file(argv)
+    cfg = FLAGS.config
+    try:
+        cfg.get("train")  # a file that failed to load raises only when first read
+    except OSError as e:
+        _fail(f"--config={value}: {e.__cause__ or e}")
+    except AttributeError:
+        pass
+    if not isinstance(cfg, ConfigDict):
+        _fail(f"--config={value}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
+    return cfg
 
 
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments: {' '.join(argv[1:])}")
-    cfg = FLAGS.config
+    if _ENV_ERRORS:
+        _fail(_ENV_ERRORS[0])
+    cfg = _loaded_config(sys.argv)
     workdir = FLAGS.workdir or os.path.join(
         "runs", os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS["config"])))[0])
+    try:
+        faults.check_process_flags(FLAGS.coordinator_address, FLAGS.num_processes,
+                                   FLAGS.process_id, FLAGS.distributed)
+        faults.check_workdir(workdir)
+    except faults.UsageError as e:
+        _fail(str(e))
     jax = _start_jax()
     from jcomp import trainer
 
     logging.set_verbosity(logging.WARNING)
     try:
-        last = trainer.train_and_evaluate(cfg, workdir)
+        last = trainer.train_and_evaluate(cfg, workdir, stop=_STOP)
     except trainer.UsageError as e:
         _fail(str(e))
     except trainer.NonFiniteError as e:
-        _fail(str(e), code=1)
+        _fail(str(e), code=EXIT_NONFINITE)
+    except trainer.WriteError as e:
+        _fail(str(e), code=EXIT_WRITE)
     if jax.process_index() == 0 and last:
         print(f"step {last['step']}: loss {last['loss']:.4f}"
               + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
@@ -90,21 +193,34 @@ def main(argv):
 
 
 def _parse_flags(argv):
-    # A config override naming a field that does not exist (or a value of the wrong
-    # type) raises from inside flag parsing, before main: one line and exit 2.
+    # Errors in the config file, a config override naming a field that does not
+    # exist, or a value of the wrong type raise from inside flag parsing, before
+    # main: one line and exit 2.
+    _check_config_file(argv)
     try:
         return FLAGS(argv)
-    except KeyError as e:
-        text = str(e.args[0] if e.args else e)
-        field = (re.findall(r"'([^']+)'", text) or [text])[0]
-        hint = re.search(r'Did you mean "([^"]+)"', text)
-        names = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-        where = next((n for n in names if f".{field}." in n + "." or n.endswith(f".{field}")),
-                     "a --config override")
-        _fail(f"{where}: the config has no field {field!r}"
-              + (f" (did you mean {hint.group(1)!r}?)" if hint else ""))
-    except (flags.Error, AttributeError, TypeError, ValueError) as e:
-        _fail(str(e))
+    except Exception as e:  # noqa: BLE001  (the config file's own code may raise anything)
+        value, path = _config_file(argv)
+        problem = _raised_by_config_file(e, path)
+        if problem:
+            _fail(f"--config={value}: {problem}")
+        key = e if isinstance(e, KeyError) else e.__context__
+        if isinstance(key, KeyError):
+            _fail(_unknown_field(key, argv))
+        if isinstance(e, (flags.Error, AttributeError, TypeError, ValueError)):
+            _fail(str(e))
+        raise
+
+
+def _unknown_field(e: KeyError, argv) -> str:
+    text = str(e.args[0] if e.args else e)
+    field = (re.findall(r"'([^']+)'", text) or [text])[0]
+    hint = re.search(r'Did you mean "([^"]+)"', text)
+    names = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+    where = next((n for n in names if f".{field}." in n + "." or n.endswith(f".{field}")),
+                 "a --config override")
+    return (f"{where}: the config has no field {field!r}"
+            + (f" (did you mean {hint.group(1)!r}?)" if hint else ""))
 
 
 if __name__ == "__main__":

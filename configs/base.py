@@ -29,6 +29,7 @@ def get_config():
         steps=200, batch_size=16, microbatches=2, remat=False,
         log_every=10, eval_every=50,
         nonfinite="skip",      # "skip": drop the update and count it; "stop": exit 1
+        nonfinite_limit=5,     # "skip" stops (exit 1) at this many skipped updates in a row
         ef_reset_norm=0.0,     # >0: reset error-feedback residuals whose norm passes it
         profile_steps=""))     # "A-B": a jax.profiler trace of steps A..B in WORKDIR/profile/
 

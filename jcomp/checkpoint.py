@@ -27,12 +27,24 @@ only when there are none at all. It never deletes or rewrites a step.
 A checkpoint written for another model (different `expect_meta` fields, or
 arrays of other shapes, dtypes or tree paths) raises `CheckpointError` at once
 instead of falling back: older steps of the same run would not fit either.
+
+A save that fails (disk full, I/O error) raises `SaveError` naming the step,
+from `poll` (called once per training step, so the failure is reported while
+that save is the newest, before any other save starts), `wait` or the next
+`maybe_save`. What the failed save left, its temporary directory, is removed
+then; `remove_unfinished` removes those left by a process that died mid-save.
+After a SaveError orbax's worker threads may never end: a program that gets
+one should leave with `os._exit`, as `train.py` does.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
+import sys
+import time
 from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
@@ -43,6 +55,7 @@ from etils import epath
 from jax import lax
 
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, in both atomicity modes
+TMP_MARK = getattr(ocp.utils, "TMP_DIR_SUFFIX", ".orbax-checkpoint-tmp")  # in-progress saves
 _STATE, _META, _SUMS = "state", "meta", "checksums"
 _GOLDEN = 0x9E3779B9
 _log = logging.getLogger(__name__)
@@ -54,6 +67,25 @@ class CheckpointError(ValueError):
     def __init__(self, message: str, failures=()):
         super().__init__(message)
         self.failures = list(failures)
+
+
+class SaveError(OSError):
+    """Saving step `step` failed; `reason` is the storage error's own first line."""
+
+    def __init__(self, step, directory, reason: str, disk_full: bool, last_complete=None):
+        super().__init__(f"saving step {step} to {directory} failed: {reason}")
+        self.step, self.directory, self.reason, self.disk_full = step, directory, reason, disk_full
+        self.last_complete = last_complete  # the newest step still on disk, committed
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class Restored(NamedTuple):
@@ -275,6 +307,55 @@ def _demote_orphaned_read_errors():
         asyncio_log.addFilter(_OrphanedReadFilter())
 
 
+class _FailedSaveFilter(logging.Filter):
+    """A failed background save makes orbax log the same storage error, with a
+    traceback, from each of its worker threads and again when it is waited for.
+    The error itself is raised by `wait` / `poll` as one SaveError; the copies
+    go to this module's debug log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # Only errors logged with their exception: what wait() raises again.
+        if record.levelno >= logging.ERROR and record.exc_info \
+                and "/orbax/" in (record.pathname or ""):
+            _log.debug("orbax during a failed save: %s", record.getMessage().splitlines()[0])
+            return False
+        return True
+
+
+def _is_closed_loop_callback(exc, tb) -> bool:
+    """Whether `exc` is asyncio refusing a callback because its event loop is
+    closed: raised by `_check_closed` called from `call_soon_threadsafe`."""
+    if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+        return False
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return names[-2:] == ["call_soon_threadsafe", "_check_closed"]
+
+
+def _unraisable_filter(previous):
+    """A sys.unraisablehook that drops TensorStore's reports of writes finishing
+    after orbax closed a failed save's event loop (one traceback apiece, ending
+    in "Event loop is closed"; the failure itself is raised once as SaveError)
+    and passes everything else to `previous`."""
+    def hook(unraisable):
+        if _is_closed_loop_callback(unraisable.exc_value, unraisable.exc_traceback):
+            _log.debug("TensorStore write after a failed save: %s", unraisable.exc_value)
+            return
+        previous(unraisable)
+    hook.jcomp_save_filter = True
+    return hook
+
+
+def _demote_failed_save_errors():
+    absl_log = logging.getLogger("absl")  # orbax logs through absl.logging
+    if not any(isinstance(f, _FailedSaveFilter) for f in absl_log.filters):
+        absl_log.addFilter(_FailedSaveFilter())
+    if not getattr(sys.unraisablehook, "jcomp_save_filter", False):
+        sys.unraisablehook = _unraisable_filter(sys.unraisablehook)
+
+
 # ---------------------------------------------------------------- the manager
 
 
@@ -295,6 +376,8 @@ class Checkpointer:
             enable_async_checkpointing=bool(async_save),
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
+        self._in_flight: Optional[int] = None  # the step whose save may still be running
+        _demote_failed_save_errors()
 
     def step_path(self, step: int) -> epath.Path:
         return self.directory / str(step)
@@ -321,6 +404,9 @@ class Checkpointer:
         if not (force or step % self.save_every == 0):
             return False
         meta = _json_meta(meta)
+        # Orbax would wait for the previous save inside save() and raise its error
+        # as this one's; waiting here names the step that failed.
+        self.wait()
         # all_steps() also lists a save still in flight, before its directory appears.
         if step in self._mngr.all_steps() or self.step_path(step).exists():
             _log.warning("not saving step %d: %s already exists", step, self.step_path(step))
@@ -332,7 +418,41 @@ class Checkpointer:
                 _SUMS: ocp.args.JsonSave(tree_checksums(state)),
             }
         )
-        return bool(self._mngr.save(int(step), args=args, force=True))
+        try:
+            started = bool(self._mngr.save(int(step), args=args, force=True))
+        except Exception as e:  # storage errors surface as many exception types
+            self._failed(step, e)
+        if started:
+            self._in_flight = int(step)
+        return started
+
+    def _failed(self, step, e: BaseException):
+        """Removes what the failed save of `step` wrote and raises SaveError."""
+        names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
+        committed = lambda n: os.path.exists(os.path.join(self.directory, n, COMMIT_MARKER))
+        if jax.process_index() == 0:
+            for name in names:
+                if name.startswith(f"{step}{TMP_MARK}") or (name == str(step) and not committed(name)):
+                    _remove_tree(os.path.join(self.directory, name))
+        done = [int(n) for n in names if n.isdigit() and committed(n)]
+        raise SaveError(step, self.directory, _reason(e), _is_disk_full(e),
+                        max(done) if done else None) from None
+
+    def poll(self):
+        """Returns at once; raises SaveError if the save in flight has failed."""
+        if self._in_flight is not None and not self._mngr.is_saving_in_progress():
+            self.wait()
+
+    def remove_unfinished(self) -> list[str]:
+        """Deletes the temporary directories of saves that never finished (a
+        process killed mid-save leaves them; nothing reads or finishes them).
+        Call it before this run's first save, holding the workdir, on one process."""
+        removed = []
+        for name in sorted(os.listdir(self.directory)):
+            if TMP_MARK in name:
+                shutil.rmtree(os.path.join(self.directory, name))
+                removed.append(os.path.join(self.directory, name))
+        return removed
 
     def set_aside(self, step: int) -> epath.Path:
         """Moves step `step`'s directory, found unusable, out of the way into
@@ -358,10 +478,15 @@ class Checkpointer:
         return target
 
     def wait(self):
-        """Blocks until the save in flight, if any, is on disk."""
-        self._mngr.wait_until_finished()
+        """Blocks until the save in flight, if any, is on disk; SaveError if it failed."""
+        step, self._in_flight = self._in_flight, None
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as e:
+            self._failed(step, e)
 
     def close(self):
+        self.wait()
         self._mngr.close()
 
     def __enter__(self):
@@ -370,12 +495,15 @@ class Checkpointer:
     def __exit__(self, *exc):
         self.close()
 
-    def restore(self, abstract_state, step: Optional[int] = None, *, expect_meta: Optional[Mapping] = None):
+    def restore(self, abstract_state, step: Optional[int] = None, *,
+                expect_meta: Optional[Mapping] = None, check_meta=None):
         """Restores (state, meta, step) into `abstract_state`'s shapes and shardings.
 
         abstract_state: pytree of jax.ShapeDtypeStruct with shardings (any mesh).
         step: a given step, or None for the newest usable one.
         expect_meta: fields the saved meta must equal, e.g. {"model": {...}}.
+        check_meta: optional callable, saved meta -> list of phrases saying why it
+          does not fit this run (like expect_meta's), checked before any array is read.
         Returns None when the directory holds no checkpoint at all.
         """
         _check_abstract(abstract_state)
@@ -395,14 +523,14 @@ class Checkpointer:
             return None
         for s in reversed(present):
             try:
-                return self._restore_step(s, abstract_state, expect_meta or {})
+                return self._restore_step(s, abstract_state, expect_meta or {}, check_meta)
             except _Unusable as e:
                 self.skipped.append((str(self.step_path(s)), e.reason))
                 _log.warning("checkpoint %s cannot be used: %s", self.step_path(s), e.reason)
         listing = "; ".join(f"{p}: {r}" for p, r in self.skipped)
         raise CheckpointError(f"no usable checkpoint in {self.directory}: {listing}", self.skipped)
 
-    def _restore_step(self, step: int, abstract, expect_meta: Mapping) -> Restored:
+    def _restore_step(self, step: int, abstract, expect_meta: Mapping, check_meta=None) -> Restored:
         """Raises _Unusable for a damaged step, CheckpointError for an incompatible one."""
         path = self.step_path(step)
         if not (path / COMMIT_MARKER).exists():
@@ -417,6 +545,7 @@ class Checkpointer:
         if not isinstance(meta, dict) or not isinstance(sums, dict):
             raise _Unusable("meta or checksums is not a JSON object")
         problems = _meta_mismatches(meta, expect_meta) + _array_mismatches(stored_tree, abstract)
+        problems += list(check_meta(meta)) if check_meta is not None else []
         if problems:
             raise CheckpointError(
                 f"checkpoint at {path} does not fit this run: " + "; ".join(problems)
@@ -431,6 +560,17 @@ class Checkpointer:
         if bad:
             raise _Unusable(f"checksum mismatch in {bad}")
         return Restored(state, meta, step)
+
+
+def _remove_tree(path: str, limit_s: float = 2.0):
+    """rmtree, repeated for a while: writes of the failed save still in flight
+    may add files while it runs. What outlives `limit_s` is a temporary
+    directory, which restore ignores and `remove_unfinished` deletes next time."""
+    start = time.monotonic()
+    while os.path.lexists(path) and time.monotonic() - start < limit_s:
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):
+            time.sleep(0.05)
 
 
 class _Unusable(Exception):

@@ -5,22 +5,29 @@ step -> data, checkpoints and metrics.
 
 Bad configuration and bad input raise `UsageError` (a ValueError) before any
 file in the workdir is touched; `train.py` turns it into one line on stderr
-and exit code 2.
+and exit code 2. A write that fails mid-run (disk full) raises `WriteError`
+naming the step that is safe to resume from. One trainer at a time: the
+workdir is locked (`jcomp.faults.WorkdirLock`) before anything in it is read
+for resuming or written.
 
 Test hooks. End-to-end fault tests inject faults into the real command through
 these environment variables; all are unset in normal use:
 
     JCOMP_TEST_STEP_SLEEP=S          sleep S seconds after each step, so that a
                                      signal can land mid-run
-    JCOMP_TEST_KILL_DURING_SAVE=K    SIGKILL this process right after the
-                                     asynchronous save of step K has started
-    JCOMP_TEST_NAN_STEP=K            give step K target ids outside [0, V), which
-                                     the vocab-parallel loss turns into a NaN loss
+    JCOMP_TEST_KILL_DURING_SAVE=K    SIGKILL this process once the asynchronous
+                                     save of step K has its temporary directory
+    JCOMP_TEST_NAN_STEP=K[,K2...]    give step K (each listed step) target ids
+                                     outside [0, V), which the vocab-parallel loss
+                                     turns into a NaN loss
+    JCOMP_TEST_SIGINT_DURING_SAVE=K  send this process SIGINT twice (a double
+                                     Ctrl-C) at the same point of step K's save
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import gc
 import json
@@ -36,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jcomp import autoencoder, checkpoint, data, optimizer, parallel, step, wire
+from jcomp import autoencoder, checkpoint, data, faults, optimizer, parallel, step, wire
 from jcomp import mesh as mesh_lib
 from jcomp import metrics as metrics_lib
 from jcomp import model as gpt
@@ -46,8 +53,8 @@ from jcomp import schedule as schedule_lib
 _log = logging.getLogger(__name__)
 
 
-class UsageError(ValueError):
-    """A configuration or input the user must fix; the message names the field."""
+UsageError = faults.UsageError  # a configuration or input the user must fix
+WriteError = faults.WriteError  # a write failed mid-run (disk full, I/O error)
 
 
 class NonFiniteError(RuntimeError):
@@ -129,8 +136,8 @@ def validate(cfg, n_devices: int):
         raise UsageError(f"mesh: {e}") from None
     mesh_shape = dict(zip(mesh_lib.AXES, shape))
     for name in ("train.steps", "train.batch_size", "train.microbatches", "train.log_every",
-                 "train.eval_every", "data.seq_len", "data.eval_batches", "checkpoint.every",
-                 "checkpoint.keep"):
+                 "train.eval_every", "train.nonfinite_limit", "data.seq_len",
+                 "data.eval_batches", "checkpoint.every", "checkpoint.keep"):
         _positive(cfg, name)
     for name in ("optim.warmup_steps", "compression.warmup_steps", "data.val_permille"):
         _positive(cfg, name, zero_ok=True)
@@ -158,9 +165,11 @@ def validate(cfg, n_devices: int):
     if cfg.train.batch_size % jax.process_count():
         raise UsageError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
                          f"{jax.process_count()} processes")
+    _check_data_fields(cfg.data)
     phases = build_phases(cfg.compression)
     _check_randomness(phases)
     pol = phases[-1][1]
+    _check_compression_reaches_the_run(cfg, phases)
     if getattr(pol["data", "grad"], "kind", None) == "lowrank" and cfg.optim.zero_stage != 1:
         raise UsageError("compression.data.grad=powersgd needs optim.zero_stage=1: its "
                          "factors are all-reduced, not reduce-scattered")
@@ -193,10 +202,47 @@ def _check_randomness(phases):
                         "data.param only; use a deterministic codec here (e.g. int8)")
 
 
-def make_tx(cfg):
+def _check_data_fields(d):
+    """Fields that apply to one kind of source only are refused for the other,
+    instead of being ignored."""
+    tokens = isinstance(d.source, str) and d.source.startswith("tokens:")
+    if tokens and d.tokenizer:
+        raise UsageError(f"data.tokenizer={d.tokenizer!r} does not apply to data.source="
+                         f"{d.source!r}: token files hold token ids already; pass "
+                         "--config.data.tokenizer='' (and data.token_dtype)")
+    if not tokens and d.token_dtype:
+        raise UsageError(f"data.token_dtype={d.token_dtype!r} applies only to a 'tokens:' "
+                         f"source; data.source={d.source!r} is text: pass "
+                         "--config.data.token_dtype=''")
+
+
+def _check_compression_reaches_the_run(cfg, phases):
+    """A compression setting no step of the run would use is refused: error
+    feedback with nothing lossy to feed back, or a warm-up or schedule whose
+    compressed phases all start at or after train.steps."""
+    comp, steps, final = cfg.compression, cfg.train.steps, phases[-1][1]
+    if comp.error_feedback == "on" and not optimizer.uses_error_feedback(final):
+        raise UsageError(
+            "compression.error_feedback='on' has nothing to feed back: compression.data.grad "
+            f"is {optimizer.grad_codec(final)} (lossless); error feedback corrects a lossy "
+            "data.grad codec: set one (e.g. int8), or error_feedback='auto' or 'off'")
+    starts = [s for s, pol in phases if schedule_lib.is_compressed(pol)]
+    if starts and min(starts) >= steps:
+        if comp.warmup_steps >= steps:
+            raise UsageError(f"compression.warmup_steps={comp.warmup_steps} is not below "
+                             f"train.steps={steps}: no step would be compressed; allowed: "
+                             f"0 to {steps - 1}")
+        raise UsageError(f"compression.schedule: the first compressed phase starts at step "
+                         f"{min(starts)}, not below train.steps={steps}: no step would be "
+                         "compressed")
+
+
+def make_tx(cfg, total_steps=None):
+    """AdamW for `cfg.optim`; its schedule spans `total_steps` (default train.steps)."""
     o = cfg.optim
     try:
-        return optimizer.make_tx(lr=o.lr, warmup_steps=o.warmup_steps, total_steps=cfg.train.steps,
+        return optimizer.make_tx(lr=o.lr, warmup_steps=o.warmup_steps,
+                                 total_steps=total_steps or cfg.train.steps,
                                  min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, eps=o.eps,
                                  weight_decay=o.weight_decay, decay_mask=optimizer.decay_mask)
     except (TypeError, ValueError) as e:
@@ -207,7 +253,8 @@ def load_data(cfg, model_cfg):
     d = cfg.data
     try:
         tokens = d.source.startswith("tokens:")
-        corpus = data.load(d.source, val_permille=d.val_permille, tokenizer=d.tokenizer or None,
+        corpus = data.load(d.source, val_permille=d.val_permille,
+                           tokenizer=(d.tokenizer or None) if not tokens else None,
                            token_dtype=(d.token_dtype or None) if tokens else None,
                            vocab_size=model_cfg.vocab_size if tokens else None)
         if corpus.vocab_size > model_cfg.vocab_size:
@@ -226,7 +273,7 @@ def load_data(cfg, model_cfg):
 # -------------------------------------------------------------- test hooks
 
 _HOOKS = {"JCOMP_TEST_STEP_SLEEP": float, "JCOMP_TEST_KILL_DURING_SAVE": int,
-          "JCOMP_TEST_NAN_STEP": int}
+          "JCOMP_TEST_NAN_STEP": "steps", "JCOMP_TEST_SIGINT_DURING_SAVE": int}
 
 
 def _test_hooks() -> dict:
@@ -237,14 +284,23 @@ def _test_hooks() -> dict:
         if not raw:
             continue
         try:
-            value = kind(raw)
+            values = [int(v) for v in raw.split(",")] if kind == "steps" else [kind(raw)]
         except ValueError:
-            value = -1
-        if not np.isfinite(value) or value < 0:
+            values = [-1]
+        if not all(np.isfinite(v) and v >= 0 for v in values):
             raise UsageError(f"environment variable {name}={raw!r} must be a "
                              f"{'number' if kind is float else 'step number'} >= 0")
-        out[name] = value
+        out[name] = set(values) if kind == "steps" else values[0]
     return out
+
+
+def _await_temporary(ckpt, step_no: int, limit_s: float = 10.0):
+    """Waits until the save of `step_no` has its temporary directory on disk (it
+    is made by a background thread), so that a fault lands mid-save."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s and not any(
+            n.startswith(f"{step_no}{checkpoint.TMP_MARK}") for n in os.listdir(ckpt.directory)):
+        time.sleep(0.005)
 
 
 def _nan_batch(rows_BxL1, vocab_size: int):
@@ -273,45 +329,73 @@ def _fingerprint(cfg, model_cfg, shape, pol):
             "error_feedback": bool(optimizer.uses_error_feedback(pol))}
 
 
-class _StopFlag:
-    """SIGTERM, or the first SIGINT, asks the loop to save and stop after this step."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-
-    def agreed(self, step_no: int) -> bool:
-        """All processes stop at the same step: JAX's preemption sync point on
-        clusters, this process's own flag otherwise."""
-        if jax.process_count() > 1:
-            try:
-                from jax.experimental import multihost_utils
-                return bool(multihost_utils.reached_preemption_sync_point(step_no)) or \
-                    self.requested
-            except Exception:  # no preemption service: fall back to the local flag
-                return self.requested
-        return self.requested
+# What the data position saved in a checkpoint must match, and the config field
+# that decides each (`data.Dataset.state`).
+_DATA_FIELDS = {"seed": "seed", "seq_len": "data.seq_len", "global_batch": "train.batch_size"}
 
 
-def train_and_evaluate(cfg, workdir: str) -> dict:
+def _data_mismatches(train_ds):
+    """check_meta for `Checkpointer.restore`: a resumed run must see the batches
+    the checkpoint's run would have seen next."""
+    mine = train_ds.state(0)
+
+    def check(meta):
+        saved = meta.get("data") if isinstance(meta, dict) else None
+        if not isinstance(saved, dict):
+            return ["it records no data position"]
+        out = [f"it was written for {field}={saved.get(key)!r}, this run has {field}={mine[key]!r}"
+               for key, field in _DATA_FIELDS.items() if saved.get(key) != mine[key]]
+        if saved.get("fingerprint") != mine["fingerprint"]:
+            out.append("it was written for other training data (data.source, data.tokenizer "
+                       "or data.val_permille differ)")
+        return out
+    return check
+
+
+def _open_checkpoints(cfg, workdir):
+    ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+    try:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
+                                       keep=cfg.checkpoint.keep)
+    except OSError as e:
+        raise UsageError(f"checkpoint directory {ckpt_dir} cannot be created: "
+                         f"{e.strerror or e}") from None
+    if jax.process_index() == 0:
+        for path in ckpt.remove_unfinished():
+            _log.warning("removed %s: a save that never finished (the run writing it was "
+                         "stopped mid-save)", path)
+    newest = ckpt.latest_step()
+    if newest is not None and cfg.train.steps < newest:
+        ckpt.close()
+        raise UsageError(f"train.steps={cfg.train.steps} is below step {newest} of the newest "
+                         f"checkpoint in {ckpt_dir}; allowed: >= {newest} (or another --workdir)")
+    return ckpt
+
+
+def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None) -> dict:
     """Trains per `cfg`, resuming from `workdir` when it holds checkpoints.
-    Returns the last logged metrics."""
+    Returns the last logged metrics ({} when stopped before the first step).
+    `stop`: signal handling installed by the caller (otherwise installed here)."""
+    own_stop = stop is None
+    stop = faults.StopFlag().install() if own_stop else stop
+    locks = []  # the workdir lock once taken, released however the run ends
+    try:
+        return _train(cfg, workdir, stop, locks)
+    except checkpoint.SaveError as e:
+        where = f"saving the checkpoint of step {e.step} to {e.directory}"
+        raise faults.write_failed(where, e.last_complete, e.reason, e.disk_full) from None
+    finally:
+        for lock in filter(None, locks):
+            lock.release()
+        if own_stop:
+            stop.uninstall()
+
+
+def _train(cfg, workdir: str, stop: faults.StopFlag, locks: list) -> dict:
     model_cfg, shape, pol = validate(cfg, len(jax.devices()))
     hooks = _test_hooks()
+    faults.check_workdir(workdir)
     tx = make_tx(cfg)
     corpus, train_ds, val = load_data(cfg, model_cfg)
     mesh = mesh_lib.make_mesh(shape)
@@ -322,31 +406,38 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
     shapes = jax.eval_shape(init_params)
     fingerprint = _fingerprint(cfg, model_cfg, shape, pol)
 
-    ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
-    ckpt = None
+    locks.append(faults.lock_workdir(workdir))
+    ckpt = _open_checkpoints(cfg, workdir)
     restored = None
-    if os.path.isdir(ckpt_dir):
-        ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
-                                       keep=cfg.checkpoint.keep)
-        try:
-            with _quiet(logging.getLogger(checkpoint.__name__), ckpt):
-                restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, pol),
-                                        expect_meta={"fingerprint": fingerprint})
-        except checkpoint.CheckpointError as e:  # it lists every step it skipped
-            raise UsageError(f"checkpoint: {e}") from None
-        for path, reason in ckpt.skipped:
-            # Set aside rather than left in place, where it would block saving
-            # its step again and outlive good checkpoints in keep's count.
-            moved = ckpt.set_aside(int(os.path.basename(path)))
-            _log.warning("checkpoint %s cannot be used: %s; moved to %s", path, reason, moved)
-    os.makedirs(workdir, exist_ok=True)
-    if ckpt is None:
-        ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
-                                       keep=cfg.checkpoint.keep)
+    try:
+        with _quiet(logging.getLogger(checkpoint.__name__), ckpt):
+            restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, pol),
+                                    expect_meta={"fingerprint": fingerprint},
+                                    check_meta=_data_mismatches(train_ds))
+    except checkpoint.CheckpointError as e:  # it lists every step it skipped
+        ckpt.close()
+        hint = "" if e.failures else "; rerun with the values it was written for, or " \
+            "pass another --workdir"
+        raise UsageError(f"checkpoint: {e}{hint}") from None
+    for path, reason in ckpt.skipped:
+        # Set aside rather than left in place, where it would block saving
+        # its step again and outlive good checkpoints in keep's count.
+        moved = ckpt.set_aside(int(os.path.basename(path)))
+        _log.warning("checkpoint %s cannot be used: %s; moved to %s", path, reason, moved)
+    # The learning-rate schedule is the first run's: a resumed run keeps its length
+    # whatever train.steps says now (steps past it run at the final rate).
+    schedule_steps, streak = cfg.train.steps, 0
     if restored is not None:
         state, meta, start = restored
         train_ds.restore(meta["data"])
+        schedule_steps = int(meta.get("schedule_steps", cfg.train.steps))
+        streak = int(meta.get("nonfinite_streak", 0))
         _log.info("resumed from %s at step %d", ckpt.step_path(start), start)
+        if schedule_steps != cfg.train.steps:
+            _log.warning("train.steps=%d differs from the %d steps the learning-rate schedule "
+                         "was laid out for; it keeps that length (constant after step %d)",
+                         cfg.train.steps, schedule_steps, schedule_steps)
+            tx = make_tx(cfg, schedule_steps)
     else:
         params = init_params()
         state, start = step.init_state(params, mesh, tx, pol), 0
@@ -372,24 +463,43 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
         return float(np.mean([float(evals[phase](params, _global_batch(
             mesh, b, cfg.train.batch_size))) for b in val]))
 
-    writer = metrics_lib.MetricsWriter(os.path.join(workdir, "metrics.jsonl"), tensorboard=True) \
-        if jax.process_index() == 0 else None
+    def stopped_before_any_step(i):
+        # A signal during setup or the first compile: nothing new exists to save.
+        # Alone only: processes of a cluster agree on a step to stop at, below.
+        if i == start and stop.requested and jax.process_count() == 1:
+            _log.warning("stop requested before the first step: nothing saved")
+            return True
+        return False
+
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    try:
+        writer = (metrics_lib.MetricsWriter(metrics_path, tensorboard=True)
+                  if jax.process_index() == 0 else None)
+    except OSError as e:
+        raise faults.write_failed(f"opening {metrics_path}", ckpt.latest_step(), e.strerror,
+                            e.errno == errno.ENOSPC) from None
     profiler = metrics_lib.StepProfiler(
         metrics_lib.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps),
         os.path.join(workdir, "profile", f"process{jax.process_index()}"))
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-    lr_at = _lr(cfg)
+    lr_at = _lr(cfg, schedule_steps)
+    limit = cfg.train.nonfinite_limit
     logged_variant = None  # the step variant whose static metrics were last logged
     last = {}
-    with _StopFlag() as stop, metrics_lib.Progress(cfg.train.steps, start) as bar, \
-            _finishing(ckpt, writer), profiler:
+    with metrics_lib.Progress(cfg.train.steps, start) as bar, _finishing(ckpt, writer), \
+            profiler:
         for i in range(start, cfg.train.steps):
+            ckpt.poll()  # a failed background save stops the run here
             rows = train_ds.local_batch(i, jax.process_index(), jax.process_count())
-            if hooks.get("JCOMP_TEST_NAN_STEP") == i + 1:
+            if i + 1 in hooks.get("JCOMP_TEST_NAN_STEP", ()):
                 rows = _nan_batch(rows, model_cfg.vocab_size)
             batch = _global_batch(mesh, rows, cfg.train.batch_size)
             phase = schedule_lib.phase_at(phases, i)
+            if stopped_before_any_step(i):
+                break
             exe, report = compiled_step(phase, state, batch)
+            if stopped_before_any_step(i):
+                break
             profiler.step_starting(i + 1)
             t0 = time.perf_counter()
             state, m = exe(state, batch)
@@ -398,10 +508,16 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
             dt = time.perf_counter() - t0
             profiler.step_done(i + 1)
             done = i + 1
-            if not bool(m["finite"]):
+            streak = 0 if bool(m["finite"]) else streak + 1
+            if streak:
                 msg = f"non-finite loss or gradient norm at step {done} (loss={loss})"
                 if cfg.train.nonfinite == "stop":
                     raise NonFiniteError(msg)
+                if streak >= limit:
+                    raise NonFiniteError(
+                        f"{msg}: {streak} updates in a row skipped (steps "
+                        f"{done - streak + 1}-{done}), train.nonfinite_limit={limit}; "
+                        f"the last checkpoint is step {ckpt.latest_step()}")
                 _log.warning("%s: update skipped", msg)
             record = {"step": done, "loss": loss, "grad_norm": float(m["grad_norm"]),
                       "lr": float(lr_at(i)), "step_time_s": dt,
@@ -429,17 +545,31 @@ def train_and_evaluate(cfg, workdir: str) -> dict:
             if writer and (done % cfg.train.log_every == 0 or "val_loss" in record
                            or done == cfg.train.steps or "wire_bytes_total" in record
                            or "ef_reset" in record):
-                writer.write(record)
+                try:
+                    faults.append_record(writer, record)
+                except OSError as e:
+                    raise faults.write_failed(f"writing {metrics_path} at step {done}",
+                                        ckpt.latest_step(), e.strerror,
+                                        e.errno == errno.ENOSPC) from None
             bar.update(done, loss=loss, tokens_per_s=record["tokens_per_s"])
             last = record
             time.sleep(hooks.get("JCOMP_TEST_STEP_SLEEP", 0))
             stopping = stop.agreed(done)
-            if bool(m["finite"]) or cfg.train.nonfinite == "skip":
-                saving = ckpt.maybe_save(done, state, {"data": train_ds.state(done), "step": done,
-                                                       "fingerprint": fingerprint},
-                                         force=stopping or done == cfg.train.steps)
-                if saving and hooks.get("JCOMP_TEST_KILL_DURING_SAVE") == done:
-                    os.kill(os.getpid(), signal.SIGKILL)
+            saving = ckpt.maybe_save(
+                done, state, {"data": train_ds.state(done), "step": done,
+                              "fingerprint": fingerprint, "schedule_steps": schedule_steps,
+                              "nonfinite_streak": streak},
+                force=stopping or done == cfg.train.steps)
+            if saving and hooks.get("JCOMP_TEST_KILL_DURING_SAVE") == done:
+                _await_temporary(ckpt, done)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if saving and hooks.get("JCOMP_TEST_SIGINT_DURING_SAVE") == done:
+                _await_temporary(ckpt, done)
+                os.kill(os.getpid(), signal.SIGINT)
+                while not stop.requested:  # the first one handled, as a person's would be
+                    time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the handler ends the process
             if stopping:
                 _log.warning("stop requested: saved step %d", done)
                 break
@@ -500,16 +630,18 @@ def _finishing(ckpt, writer):
     try:
         yield
     finally:
-        ckpt.wait()
-        ckpt.close()
-        if writer:
-            writer.close()
+        try:
+            ckpt.wait()
+            ckpt.close()
+        finally:
+            if writer:
+                writer.close()
 
 
-def _lr(cfg):
+def _lr(cfg, total_steps):
     o = cfg.optim
     return optimizer.make_schedule(lr=o.lr, warmup_steps=o.warmup_steps,
-                                   total_steps=cfg.train.steps, min_lr_ratio=o.min_lr_ratio)
+                                   total_steps=total_steps, min_lr_ratio=o.min_lr_ratio)
 
 
 def _static_metrics(report: wire.WireReport, state) -> dict:

@@ -258,6 +258,19 @@ def test_leftover_temporary_directory_is_ignored(run_dir, mesh):
     assert step == 20 and not ck.skipped and tmp.exists()
 
 
+def test_remove_unfinished_deletes_only_temporary_directories(run_dir):
+    tmp = run_dir / "30.orbax-checkpoint-tmp"
+    shutil.copytree(run_dir / "20", tmp)
+    _drop_commit_marker(run_dir / "20")  # incomplete, but a step: restore reports it
+    before = _listing(run_dir / "10"), _listing(run_dir / "20")
+    with Checkpointer(run_dir, save_every=10, keep=3) as ck:
+        assert ck.remove_unfinished() == [str(tmp)]
+        assert ck.remove_unfinished() == []
+        assert ck.steps() == [10, 20]
+    assert not tmp.exists()
+    assert (_listing(run_dir / "10"), _listing(run_dir / "20")) == before
+
+
 def test_all_damaged_raises_with_every_path_and_reason(run_dir, mesh):
     _flip_bulk_byte(run_dir / "20")
     _garble_meta(run_dir / "10")
@@ -294,6 +307,49 @@ def test_other_model_meta_is_refused_naming_the_field(run_dir, mesh):
         "it was written for model.d_model=64, this run has model.d_model=128"
     )
     assert _listing(run_dir) == before
+
+
+def test_late_writes_of_a_failed_save_are_not_reported():
+    """TensorStore reports a write finishing after orbax closed a failed save's
+    event loop as an unraisable exception; the filter drops exactly those."""
+    import asyncio
+    import sys
+    from jcomp.checkpoint import _unraisable_filter
+    loop = asyncio.new_event_loop()
+    loop.close()
+
+    class Late:  # a completion callback that fires after the loop closed
+        def __del__(self):
+            loop.call_soon_threadsafe(print)
+
+    class Other:
+        def __del__(self):
+            raise ValueError("some other failure")
+
+    passed, old = [], sys.unraisablehook
+    sys.unraisablehook = _unraisable_filter(lambda u: passed.append(u.exc_value))
+    try:
+        Late().__init__()
+        Other().__init__()
+    finally:
+        sys.unraisablehook = old
+    assert [str(e) for e in passed] == ["some other failure"]
+
+
+def test_check_meta_refuses_before_any_array_is_read(run_dir, mesh):
+    """A check_meta phrase makes the step unfit (not unusable): no fallback to
+    step 10, and the arrays are not read (a damaged bulk file goes unnoticed)."""
+    _flip_bulk_byte(run_dir / "20")
+    seen = []
+
+    def check(meta):
+        seen.append(meta["step"])
+        return [f"it was written for position {meta['data']['position']}, this run has 0"]
+
+    with Checkpointer(run_dir, save_every=10, keep=3) as ck:
+        with pytest.raises(CheckpointError, match="position 200, this run has 0") as e:
+            ck.restore(abstract_like(_state(mesh)), check_meta=check)
+    assert seen == [20] and not e.value.failures and not ck.skipped
 
 
 @pytest.mark.parametrize(
