@@ -1,6 +1,5 @@
 """TensorBoard event files beside metrics.jsonl, and train.profile_steps' trace."""
 import glob
-import json
 import os
 import struct
 import subprocess
@@ -58,24 +57,8 @@ def test_profile_steps_spec():
             metrics.parse_profile_steps(bad, 10)
 
 
-def test_train_writes_tensorboard_events_and_a_profile(tmp_path):
-    workdir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "train.py", f"--workdir={workdir}", "--config=configs/tiny.py",
-         "--config.train.steps=3", "--config.train.log_every=1", "--config.train.eval_every=3",
-         "--config.optim.warmup_steps=1", "--config.checkpoint.every=3",
-         "--config.train.profile_steps=2-3"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(workdir / "metrics.jsonl") as f:
-        losses = {r["step"]: r["loss"] for r in map(json.loads, f)}
-    got = _scalars(workdir)
-    assert got["loss"] == pytest.approx(losses), (got.get("loss"), losses)
-    assert 3 in got["val_loss"] and "wire_bytes_total" in got
-    traces = glob.glob(str(workdir / "profile" / "process0" / "plugins" / "profile" / "*" /
-                           "*.xplane.pb"))
-    assert len(traces) == 1 and os.path.getsize(traces[0]) > 1000, traces
-
+def test_a_bad_profile_spec_is_refused_before_the_workdir(tmp_path):
+    """(The files a run writes are checked on test_train.py's tiny run.)"""
     bad = tmp_path / "bad"
     proc = subprocess.run(
         [sys.executable, "train.py", f"--workdir={bad}", "--config=configs/tiny.py",

@@ -40,7 +40,7 @@ def first_record(workdir):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("tiny"))
-    proc = run(workdir, *TINY)
+    proc = run(workdir, *TINY, "--config.train.profile_steps=2-3")  # the profile: below
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir
 
@@ -56,6 +56,21 @@ def test_tiny_trains_and_logs(tiny_run):
         assert key in rec, key
     with open(os.path.join(tiny_run, "metrics.jsonl")) as f:
         assert any("val_loss" in json.loads(line) for line in f)
+
+
+def test_tiny_run_writes_tensorboard_events_and_a_profile(tiny_run):
+    """TensorBoard scalars beside metrics.jsonl hold the same losses, and
+    train.profile_steps=2-3 left one jax.profiler trace."""
+    import glob
+
+    from test_tensorboard_profile import _scalars
+
+    got = _scalars(tiny_run)
+    assert got["loss"] == pytest.approx(losses(tiny_run)), got.get("loss")
+    assert 8 in got["val_loss"] and "wire_bytes_total" in got
+    traces = glob.glob(os.path.join(tiny_run, "profile", "process0", "plugins", "profile", "*",
+                                    "*.xplane.pb"))
+    assert len(traces) == 1 and os.path.getsize(traces[0]) > 1000, traces
 
 
 def test_rerun_resumes_and_matches_the_uninterrupted_run(tiny_run, tmp_path):
