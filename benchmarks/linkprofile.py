@@ -45,15 +45,21 @@ def _rate_bits(rate: str):
 
 
 def sweep_rows(network: dict, commit: str | None = None) -> list[dict]:
-    """The successful sweep rows of network.json (of `commit`, or of the commit
-    that has the most of them)."""
+    """The successful sweep rows of network.json (of `commit`, or of the newest
+    commit with the most of them: a rerun after a change replaces the old sweep)."""
     rows = [r for r in network["rows"] if r["settings"]["kind"] == "sweep" and "error" not in r]
     if commit is None and rows:
-        counts = {}
-        for r in rows:
-            counts[r["commit"]] = counts.get(r["commit"], 0) + 1
-        commit = max(counts, key=counts.get)
+        commit = main_commit(rows)
     return [r for r in rows if r["commit"] == commit]
+
+
+def main_commit(rows: list[dict]) -> str:
+    """The commit with the most rows; among equals, the one whose rows are newest."""
+    counts, newest = {}, {}
+    for r in rows:
+        counts[r["commit"]] = counts.get(r["commit"], 0) + 1
+        newest[r["commit"]] = max(newest.get(r["commit"], ""), r["date"])
+    return max(counts, key=lambda c: (counts[c], newest[c]))
 
 
 def calibrate(rows: list[dict], calibration_rate: str) -> dict:

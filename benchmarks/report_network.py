@@ -21,11 +21,36 @@ def _rows(net: dict, commit: str) -> list[dict]:
 
 
 def _main_commit(net: dict) -> str | None:
-    counts = {}
-    for r in net["rows"]:
-        if "error" not in r:
-            counts[r["commit"]] = counts.get(r["commit"], 0) + 1
-    return max(counts, key=counts.get) if counts else None
+    from linkprofile import main_commit  # beside this module
+
+    rows = [r for r in net["rows"] if "error" not in r]
+    return main_commit(rows) if rows else None
+
+
+def earlier_sweeps(net: dict) -> str:
+    """Step time and meter bytes of every commit's sweep side by side, oldest first:
+    what a change to the collectives did on the same link."""
+    rows = [r for r in net["rows"] if "error" not in r and r["settings"]["kind"] == "sweep"]
+    commits = list(dict.fromkeys(r["commit"] for r in sorted(rows, key=lambda r: r["date"])))
+    if len(commits) < 2:
+        return ""
+    by = {(r["commit"], r["settings"]["rate"], r["settings"]["policy"]): r for r in rows}
+    keys = list(dict.fromkeys((r["settings"]["rate"], r["settings"]["policy"]) for r in rows))
+    base = lambda c, rate: by.get((c, rate, "baseline"))
+    cells = []
+    for rate, pol in keys:
+        row = [rate, pol]
+        for c in commits:
+            r, b = by.get((c, rate, pol)), base(c, rate)
+            row += ["n/a"] * 3 if r is None else [
+                _f(r["median_step_s"], ".3f"),
+                _f(r["median_step_s"] / b["median_step_s"], ".2f") if b else "n/a",
+                _f(r["meter_bytes_per_step"] / 1e6, ".2f")]
+        cells.append(row)
+    header = ["link", "policy"] + [f"{h} @{c[:7]}" for c in commits
+                                   for h in ("step s", "vs baseline", "meter MB")]
+    return ("Every commit's sweep side by side (the same command; oldest first):\n\n"
+            + _table(header, cells))
 
 
 def commands(net: dict) -> list[str]:
@@ -94,6 +119,9 @@ def network_section(net: dict, link: dict | None) -> tuple[str, list[str]]:
                       _f(p["ratio"]["additive"], ".2f") if p else "n/a",
                       _f(r["final_loss"], ".4f"), _f(r.get("final_val_loss"), ".4f")])
     out.append(_table(header, table))
+    earlier = earlier_sweeps(net)
+    if earlier:
+        out += ["", earlier]
     claims = _claims(sweep, base, pred, link)
     ttl = net.get("ttl")
     if ttl:
