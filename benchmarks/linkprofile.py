@@ -58,7 +58,7 @@ def main_commit(rows: list[dict]) -> str:
     counts, newest = {}, {}
     for r in rows:
         counts[r["commit"]] = counts.get(r["commit"], 0) + 1
-        newest[r["commit"]] = max(newest.get(r["commit"], ""), r["date"])
+        newest[r["commit"]] = max(newest.get(r["commit"], ""), r.get("date", ""))
     return max(counts, key=lambda c: (counts[c], newest[c]))
 
 

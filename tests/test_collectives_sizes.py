@@ -36,10 +36,10 @@ def _sizes_module():
 
 def test_no_cell_sends_more_than_lax_except_named_raw_sends():
     """The smallest form of `benchmarks/collectives.py --sizes`: every op, two
-    codecs, sizes 1 to 4096 on an axis of 4, each cell read from its compiled
+    codecs, sizes 1, 7 and 4096 on an axis of 4, each cell read from its compiled
     program. Raw cells must send exactly lax's bytes and be named raw."""
     sizes = _sizes_module()
-    rows = sizes.sweep((1, 7, 100, 4096), (4,), ("int8", "topk:0.1"), log=lambda *a, **k: None)
+    rows = sizes.sweep((1, 7, 4096), (4,), ("int8", "topk:0.1"), log=lambda *a, **k: None)
     assert sizes.violations(rows) == []
     by = {(r["op"], r["codec"], r["elements"]): r for r in rows}
     assert by["psum", "int8", 1]["raw"] and by["psum", "int8", 1]["ratio"] == 1.0

@@ -124,7 +124,9 @@ def test_kernel_bytes_on_a_throttled_link_track_the_meter(tmp_path):
 def test_an_interrupted_sweep_kills_its_runs_and_removes_its_namespace(tmp_path, sig):
     workroot = tmp_path / "runs"
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--config", "configs/tiny.py",
-                             "--steps", "4", "--rates", "100mbit", "--policies", "baseline",
+                             # Far more steps than the signal lets run: the sweep must
+                             # still be going when it lands (4 steps were seen to finish).
+                             "--steps", "400", "--rates", "100mbit", "--policies", "baseline",
                              "--ttl-rate", "", "--workroot", str(workroot),
                              "--out", str(tmp_path / "network.json")], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
