@@ -129,7 +129,10 @@ def test_an_interrupted_sweep_kills_its_runs_and_removes_its_namespace(tmp_path,
                              "--steps", "400", "--rates", "100mbit", "--policies", "baseline",
                              "--ttl-rate", "", "--workroot", str(workroot),
                              "--out", str(tmp_path / "network.json")], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # As at a terminal: a suite started in the background inherits
+                            # SIGINT ignored, and Python then installs no Ctrl-C handler.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     name = f"{net.PREFIX}{proc.pid}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not list(workroot.glob("*/process1.log")):
