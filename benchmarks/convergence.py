@@ -1,7 +1,7 @@
 """Convergence of compressed training on real text, against the uncompressed baseline.
 
-    python benchmarks/convergence.py [--suite main|ablation|sweep|variants|places|all]
-                                     [--steps 150]
+    python benchmarks/convergence.py [--suite main|ablation|sweep|variants|places|seeds|all]
+                                     [--steps 150] [--seeds 0 1 2]
                                      [--config configs/base.py] [--only NAME ...]
                                      [--out benchmarks/results/convergence] [--quick]
 
@@ -21,6 +21,18 @@ Every run is `python train.py` in a subprocess with its own workdir under
   places    int2 on tensor (act, act_grad) in every layer, in layers 0-1 only
             and in layers 2-3 only; int2 on pipeline from both stages, from
             stage 0 only and from stage 1 only (compression.layers / .stages)
+  seeds     the settings the README's claims rest on, meant for several seeds
+            and >= 600 steps: the presets, the paper's hybrid recipe spelled
+            out (so it survives a change of the preset), int4 against int4:rot
+            on data gradients, and the candidates for the hybrid preset
+
+--seeds S ... runs every chosen setting once per seed (config field `seed`: it
+sets the initial weights and the data order alike), seed-major, so that an
+interrupted suite has whole seeds done. Seed 0 keeps the workdir name runs
+had before seeds (NAME-STEPSsteps); seed S > 0 is NAME-STEPSsteps-seedS.
+With several seeds, summary.json's `settings` gives per setting the mean and
+standard deviation of the final val_loss and the paired gap to the baseline
+of the same seed: its mean, standard deviation and 95% Student-t interval.
 
 Every suite also runs the baseline, the reference for gaps and byte ratios.
 A finished run (its metrics.jsonl has a record of the last step) is skipped;
@@ -47,6 +59,7 @@ import datetime
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -59,8 +72,8 @@ sys.path.insert(0, ROOT)
 from jcomp import metrics as metrics_lib  # noqa: E402
 
 AXES = ("data", "tensor", "pipeline")
-SUITES = ("main", "ablation", "sweep", "variants", "places")
-GRAD_SWEEP = ("int8", "int4", "int2", "topk:0.1", "topk:0.01")
+SUITES = ("main", "ablation", "sweep", "variants", "places", "seeds")
+GRAD_SWEEP = ("int8", "int4", "int4:rot", "int2", "topk:0.1", "topk:0.01")
 ACT_SWEEP = ("int8", "int4", "int2")
 PSGD = "powersgd:rank=4"
 PLACES_CODEC = "int2"
@@ -74,11 +87,21 @@ def _tp_act(spec: str) -> dict:
     return {f"{a}.{k}": spec for a in ("tensor", "pipeline") for k in ("act", "act_grad")}
 
 
+PAPER_HYBRID = {"data.grad": "int4", "data.param": "int8", **_tp_act("int8")}
+# The settings the README's loss claims rest on, run at several seeds.
+SEED_RUNS = ("baseline", "naive", "hybrid_paper", "hybrid_grad_int8_tensor_ag_int4",
+             "grad_int4_efoff", "grad_int4rot_efoff", "hybrid_rot4", "hybrid_rot4_grad_rot4")
+
+
 def run_specs() -> list[dict]:
     """Every known run: {name, suite, group, policy, overrides {"axis.kind": codec},
     error_feedback "auto"|"on"|"off"}. `group` names the plot a run belongs to."""
     runs = [dict(name=p, suite="main", group="main", policy=p, overrides={}, error_feedback="auto")
             for p in ("baseline", "naive", "hybrid")]
+    # The CCGrid 2024 recipe, spelled out so that the name keeps its meaning
+    # whatever the hybrid preset becomes.
+    runs.append(dict(name="hybrid_paper", suite="main", group="main", policy="baseline",
+                     overrides=PAPER_HYBRID, error_feedback="on"))
     for axis, ov in (("data", {"data.grad": "int4", "data.param": "int8"}),
                      ("tensor", {"tensor.act": "int8", "tensor.act_grad": "int8"}),
                      ("pipeline", {"pipeline.act": "int8", "pipeline.act_grad": "int8"})):
@@ -105,8 +128,8 @@ def run_specs() -> list[dict]:
                              {"data.grad": "int8", "pipeline.act_grad": "int4"}, "off"),
                             ("hybrid_grad_int8_tensor_ag_int4",
                              {"data.grad": "int8", "tensor.act_grad": "int4"}, "off")):
-        runs.append(dict(name=name, suite="variants", group="main", policy="hybrid",
-                         overrides=extra, error_feedback=ef))
+        runs.append(dict(name=name, suite="variants", group="main", policy="baseline",
+                         overrides={**PAPER_HYBRID, **extra}, error_feedback=ef))
     # Which layers and stages to compress: int2 (strong enough to hurt in a short
     # run) everywhere on one axis, then on half of its layers or stages.
     half = {"tensor": ("layers", ("0-1", "2-3")), "pipeline": ("stages", ("0", "1"))}
@@ -119,6 +142,13 @@ def run_specs() -> list[dict]:
             runs.append(dict(name=f"{axis}_{PLACES_CODEC}_{place}_{part}", suite="places",
                              group="places", policy="baseline", overrides={**codec, **where},
                              error_feedback="off"))
+    # Candidates for the hybrid preset at <= 1/6 of the baseline's bytes: int4 with
+    # a Hadamard rotation on every model-parallel message.
+    for name, extra in (("hybrid_rot4", {"data.grad": "int8"}),
+                        ("hybrid_rot4_grad_rot4", {"data.grad": "int4:rot"})):
+        runs.append(dict(name=name, suite="variants", group="main", policy="baseline",
+                         overrides={"data.param": "int8", **extra, **_tp_act("int4:rot")},
+                         error_feedback="off"))
     return runs
 
 
@@ -136,18 +166,22 @@ def select(suite: str, only=None) -> list[dict]:
     for name in only or ():
         if name not in names:
             raise ValueError(f"--only: unknown run {name!r}; known: {', '.join(sorted(names))}")
+    def in_suite(s):
+        return suite == "all" or (s["name"] in SEED_RUNS if suite == "seeds" else s["suite"] == suite)
+
     chosen = [s for s in specs if s["name"] == "baseline"
-              or ((suite == "all" or s["suite"] == suite) and (not only or s["name"] in only))]
+              or (in_suite(s) and (not only or s["name"] in only))]
     return chosen
 
 
-def workdir_name(spec: dict, steps: int) -> str:
-    return f"{spec['name']}-{steps}steps"
+def workdir_name(spec: dict, steps: int, seed: int = 0) -> str:
+    return f"{spec['name']}-{steps}steps" + (f"-seed{seed}" if seed else "")
 
 
-def train_args(spec: dict, config: str, steps: int, eval_every: int, warmup: int) -> list[str]:
+def train_args(spec: dict, config: str, steps: int, eval_every: int, warmup: int,
+               seed: int = 0) -> list[str]:
     """train.py's flags for one run (without --workdir)."""
-    args = [f"--config={config}", f"--config.train.steps={steps}",
+    args = [f"--config={config}", f"--config.seed={seed}", f"--config.train.steps={steps}",
             f"--config.train.eval_every={eval_every}", f"--config.optim.warmup_steps={warmup}",
             f"--config.checkpoint.every={max(steps // 4, min(steps, 10))}",
             f"--config.compression.policy={spec['policy']}",
@@ -168,12 +202,12 @@ def run_one(spec, workdir, args, log) -> float:
     """Runs train.py for one spec; returns wall seconds. RuntimeError if it fails."""
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args, f"--workdir={workdir}"]
     t0 = time.perf_counter()
-    with open(os.path.join(os.path.dirname(workdir), f"{spec['name']}.log"), "w") as f:
+    with open(workdir + ".log", "w") as f:
         rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - t0
     if rc != 0:
-        raise RuntimeError(f"run {spec['name']} failed (exit {rc}); see {f.name}")
-    print(f"{spec['name']}: done in {wall:.0f} s", file=log, flush=True)
+        raise RuntimeError(f"run {os.path.basename(workdir)} failed (exit {rc}); see {f.name}")
+    print(f"{os.path.basename(workdir)}: done in {wall:.0f} s", file=log, flush=True)
     return wall
 
 
@@ -245,31 +279,99 @@ def _json_safe(x):
     return x
 
 
-def collect(out: str, steps: int, args_of) -> list[dict]:
-    """Every finished known run of length `steps` in `out`, baseline first."""
+def seeds_on_disk(out: str, steps: int) -> list[int]:
+    """The seeds of the runs of length `steps` that have a workdir in `out`."""
+    found = set()
+    pattern = re.compile(rf"-{steps}steps(?:-seed(\d+))?$")
+    for entry in os.listdir(out) if os.path.isdir(out) else ():
+        m = pattern.search(entry)
+        if m and os.path.isdir(os.path.join(out, entry)):
+            found.add(int(m.group(1) or 0))
+    return sorted(found)
+
+
+def collect(out: str, steps: int, args_of, seeds=(0,)) -> list[dict]:
+    """Every finished known run of length `steps` in `out` at each of `seeds`,
+    seed-major, baseline first within a seed; each compared with the baseline
+    of its own seed."""
     runs = []
-    for spec in run_specs():
-        workdir = os.path.join(out, workdir_name(spec, steps))
-        if not is_finished(workdir, steps):
+    for seed in seeds:
+        at_seed = []
+        for spec in run_specs():
+            workdir = os.path.join(out, workdir_name(spec, steps, seed))
+            if not is_finished(workdir, steps):
+                continue
+            row = dict(name=spec["name"], seed=seed, suite=spec["suite"], group=spec["group"],
+                       policy=spec["policy"], overrides=spec["overrides"],
+                       error_feedback=spec["error_feedback"],
+                       workdir=os.path.relpath(workdir, ROOT),
+                       command="python train.py " + " ".join(args_of(spec, seed))
+                       + f" --workdir={os.path.relpath(workdir, ROOT)}")
+            row.update(summarize(metrics_lib.read_metrics(workdir)))
+            commit_path = os.path.join(workdir, COMMIT_FILE)
+            # Runs of a sweep may come from several commits; each keeps its own.
+            row["git_commit"] = (open(commit_path).read().strip() or None
+                                 if os.path.exists(commit_path) else None)
+            at_seed.append(row)
+        if any(r["name"] == "baseline" for r in at_seed):
+            add_comparisons(at_seed)
+        runs += at_seed
+    return runs
+
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1; got {df}")
+    return _T975[df - 1] if df <= len(_T975) else 1.960
+
+
+def mean_interval(values) -> dict:
+    """n, mean, sample standard deviation and the 95% Student-t interval of the
+    mean (std and interval None for fewer than 2 values)."""
+    values = [float(v) for v in values]
+    n = len(values)
+    if n == 0:
+        raise ValueError("no values")
+    mean = statistics.fmean(values)
+    if n < 2:
+        return dict(n=n, mean=mean, std=None, ci95=None)
+    std = statistics.stdev(values)
+    half = t975(n - 1) * std / math.sqrt(n)
+    return dict(n=n, mean=mean, std=std, ci95=[mean - half, mean + half])
+
+
+def settings(runs: list[dict]) -> list[dict]:
+    """Per setting over its seeds: the final val_loss's mean and std, and the gap
+    to the baseline paired by seed (only seeds where both finished)."""
+    out = []
+    for name in dict.fromkeys(r["name"] for r in runs):
+        rows = [r for r in runs if r["name"] == name and r.get("final_val_loss") is not None]
+        if not rows:
             continue
-        row = dict(name=spec["name"], suite=spec["suite"], group=spec["group"],
-                   policy=spec["policy"], overrides=spec["overrides"],
-                   error_feedback=spec["error_feedback"],
-                   workdir=os.path.relpath(workdir, ROOT),
-                   command="python train.py " + " ".join(args_of(spec))
-                   + f" --workdir={os.path.relpath(workdir, ROOT)}")
-        row.update(summarize(metrics_lib.read_metrics(workdir)))
-        commit_path = os.path.join(workdir, COMMIT_FILE)
-        # Runs of a sweep may come from several commits; each keeps its own.
-        row["git_commit"] = (open(commit_path).read().strip() or None
-                             if os.path.exists(commit_path) else None)
-        runs.append(row)
-    return add_comparisons(runs) if any(r["name"] == "baseline" for r in runs) else runs
+        paired = [r for r in rows if r.get("gap_pct") is not None]
+        commits = sorted({r["git_commit"] or "unknown" for r in rows})
+        out.append(dict(
+            name=name, seeds=[r["seed"] for r in rows], overrides=rows[0]["overrides"],
+            policy=rows[0]["policy"], error_feedback=rows[0]["error_feedback"],
+            val_loss=mean_interval([r["final_val_loss"] for r in rows]),
+            gap_pct=mean_interval([r["gap_pct"] for r in paired]) if paired else None,
+            paired_seeds=[r["seed"] for r in paired],
+            byte_ratio=statistics.fmean(r["byte_ratio"] for r in paired) if paired else None,
+            git_commits=commits))
+    return out
 
 
 def draw_plots(out: str, runs: list[dict]) -> dict:
-    """{group: png path relative to out} for the main, sweep and places groups present."""
+    """{group: png path relative to out} for the main, sweep and places groups present,
+    drawn from the first seed's runs."""
     plots = {}
+    runs = [r for r in runs if r["seed"] == runs[0]["seed"]] if runs else runs
     by_name = {r["name"]: r for r in runs}
     for group, png in (("main", "main_loss.png"), ("sweep_grad", "sweep_grad_loss.png"),
                        ("sweep_act", "sweep_act_loss.png"), ("places", "places_loss.png")):
@@ -312,6 +414,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="learning-rate warm-up steps (steps/10)")
     p.add_argument("--config", default=None, help="config file every run starts from")
     p.add_argument("--only", nargs="+", default=None, help="run just these names (and baseline)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0],
+                   help="config seeds: every run once per seed (default 0)")
     p.add_argument("--out", default=DEFAULT_OUT, help="workdirs, logs, summary.json and plots")
     p.add_argument("--quick", action="store_true", help="a few steps of configs/tiny.py")
     p.add_argument("--keep-checkpoints", action="store_true",
@@ -330,6 +434,8 @@ def parse_args(argv=None):
     args.warmup = min(args.steps // 10, args.steps - 1) if args.warmup is None else args.warmup
     if not 0 <= args.warmup < args.steps:
         raise ValueError(f"--warmup must be in [0, --steps); got {args.warmup}")
+    if any(sd < 0 for sd in args.seeds) or len(set(args.seeds)) != len(args.seeds):
+        raise ValueError(f"--seeds must be distinct non-negative ints; got {args.seeds}")
     if args.eval_every < 1:
         raise ValueError(f"--eval-every must be >= 1; got {args.eval_every}")
     return args
@@ -347,33 +453,36 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
 
-    def args_of(spec):
-        return train_args(spec, args.config, args.steps, args.eval_every, args.warmup)
+    def args_of(spec, seed=0):
+        return train_args(spec, args.config, args.steps, args.eval_every, args.warmup, seed)
 
     walls = {}
-    for spec in specs:
-        workdir = os.path.join(out, workdir_name(spec, args.steps))
-        if is_finished(workdir, args.steps):
-            print(f"{spec['name']}: finished already, skipped", flush=True)
-            continue
-        try:
-            walls[spec["name"]] = run_one(spec, workdir, args_of(spec), sys.stdout)
-        except RuntimeError as e:
-            print(f"convergence.py: {e}", file=sys.stderr)
-            return 1
-        with open(os.path.join(workdir, COMMIT_FILE), "w") as f:
-            f.write(f"{_git_commit()}\n")
-        if not args.keep_checkpoints:
-            # A finished run is judged by its metrics alone; its checkpoints
-            # (hundreds of MB per sweep) would only be restored to train further.
-            shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
+    for seed in args.seeds:  # seed-major: an interrupted suite leaves whole seeds
+        for spec in specs:
+            workdir = os.path.join(out, workdir_name(spec, args.steps, seed))
+            if is_finished(workdir, args.steps):
+                print(f"{os.path.basename(workdir)}: finished already, skipped", flush=True)
+                continue
+            try:
+                walls[spec["name"], seed] = run_one(spec, workdir, args_of(spec, seed), sys.stdout)
+            except RuntimeError as e:
+                print(f"convergence.py: {e}", file=sys.stderr)
+                return 1
+            with open(os.path.join(workdir, COMMIT_FILE), "w") as f:
+                f.write(f"{_git_commit()}\n")
+            if not args.keep_checkpoints:
+                # A finished run is judged by its metrics alone; its checkpoints
+                # (hundreds of MB per sweep) would only be restored to train further.
+                shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
 
     summary_path = os.path.join(out, "summary.json")
     old = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
-    runs = collect(out, args.steps, args_of)
+    seeds = sorted(set(args.seeds) | set(seeds_on_disk(out, args.steps)))
+    runs = collect(out, args.steps, args_of, seeds)
     for r in runs:
-        r["wall_s"] = walls.get(r["name"], next(
-            (o.get("wall_s") for o in old.get("runs", []) if o["name"] == r["name"]), None))
+        r["wall_s"] = walls.get((r["name"], r["seed"]), next(
+            (o.get("wall_s") for o in old.get("runs", [])
+             if o["name"] == r["name"] and o.get("seed", 0) == r["seed"]), None))
     invocation = "python benchmarks/convergence.py " + " ".join(argv)
     invocations = [i for i in old.get("invocations", []) if i != invocation] + [invocation]
     summary = dict(config=args.config, steps=args.steps, eval_every=args.eval_every,
@@ -382,13 +491,21 @@ def main(argv=None) -> int:
                    seq_len=cfg.data.seq_len,
                    quick=args.quick, git_commit=_git_commit(),
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   invocations=invocations, plots=draw_plots(out, runs), runs=runs)
+                   seeds=seeds, invocations=invocations, plots=draw_plots(out, runs),
+                   settings=settings(runs), runs=runs)
     with open(summary_path, "w") as f:
         json.dump(_json_safe(summary), f, indent=1, allow_nan=False)
     for r in runs:
         gap = "" if r.get("gap_pct") is None else f", gap {r['gap_pct']:+.2f}%"
         ratio = "" if r.get("byte_ratio") is None else f", bytes x{r['byte_ratio']:.3f}"
-        print(f"{r['name']:>16}: val_loss {r['final_val_loss']}{gap}{ratio}")
+        print(f"{r['name']:>16} seed {r['seed']}: val_loss {r['final_val_loss']}{gap}{ratio}")
+    if len(seeds) > 1:
+        for st in summary["settings"]:
+            g = st["gap_pct"]
+            ci = "" if not g or g["ci95"] is None else \
+                f", gap {g['mean']:+.2f}% [{g['ci95'][0]:+.2f}%, {g['ci95'][1]:+.2f}%]"
+            print(f"{st['name']:>16}: {len(st['seeds'])} seeds, val_loss "
+                  f"{st['val_loss']['mean']:.4f}{ci}")
     print(f"wrote {os.path.relpath(summary_path)}")
     return 0
 
