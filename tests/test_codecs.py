@@ -11,7 +11,7 @@ import pytest
 from jcomp import codecs
 
 SPECS = ["none", "bf16", "fp16", "fp8", "int8", "int4", "int2",
-         "int8:sr", "int4:sr", "int2:sr", "topk:0.1", "randk:0.1"]
+         "int8:sr", "int4:sr", "int2:sr", "int4:rot", "topk:0.1", "randk:0.1"]
 QUANT_SPECS = ["fp8", "int8", "int4", "int2", "int8:sr", "int4:sr", "int2:sr"]
 DTYPES = [jnp.float32, jnp.bfloat16]
 # Ragged against the default block of 256, with and without leading dims.
@@ -469,11 +469,97 @@ def test_integer_input_is_rejected(spec):
         codec.encode(jnp.arange(12, dtype=jnp.int32).reshape(3, 4), key=_key())
 
 
+# ---------------------------------------------------------------- rotation
+
+
+def _sylvester(b):
+    h = np.ones((1, 1))
+    while h.shape[0] < b:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+@pytest.mark.parametrize("block", [1, 2, 8, 256])
+def test_fwht_is_the_orthonormal_hadamard_and_rotation_inverts(block):
+    eye = jnp.eye(block, dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(codecs._fwht(eye)), _sylvester(block) / math.sqrt(block),
+                               atol=1e-6)
+    x = _normal((3, 5, block), seed=4)
+    r = codecs._rotate(x)
+    np.testing.assert_allclose(np.linalg.norm(r, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(codecs._unrotate(r)), np.asarray(x), atol=1e-5)
+    # The signs are fixed: rotating twice gives the same values.
+    np.testing.assert_array_equal(np.asarray(codecs._rotate(x)), np.asarray(r))
+
+
+def _heavy_tailed(shape, seed=11):
+    """Student's t with 2 degrees of freedom: rare entries dozens of times the RMS,
+    as in gradients and outlier features."""
+    return jax.random.t(_key(seed), 2.0, shape, jnp.float32)
+
+
+@pytest.mark.parametrize("bits,gain", [(8, 0.5), (4, 0.5)])
+def test_rotation_lowers_the_error_on_heavy_tailed_data(bits, gain):
+    """An outlier sets its block's absmax scale and so the rounding step of every
+    other element; after the rotation the block's entries are near its RMS and
+    the step is far smaller. Measured on this data: int4 0.29 -> 0.11, int8
+    0.025 -> 0.006 relative L2; the bound asks for at least halving it."""
+    x = _heavy_tailed((64, 4096))
+    plain, rot = (codecs.parse(f"int{bits}{o}") for o in ("", ":rot"))
+    e_plain = float(np.linalg.norm(_f32(_roundtrip(plain, x)) - _f32(x)) / np.linalg.norm(_f32(x)))
+    e_rot = float(np.linalg.norm(_f32(_roundtrip(rot, x)) - _f32(x)) / np.linalg.norm(_f32(x)))
+    assert e_rot < gain * e_plain, (e_rot, e_plain)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("shape", [(4096,), (3, 1000), (2, 3, 256), (7,)])
+def test_rotation_sends_the_unrotated_codecs_bytes(bits, shape):
+    plain, rot = codecs.IntQuant(bits), codecs.IntQuant(bits, rot=True)
+    x = _normal(shape, seed=2)
+    p_plain, p_rot = _code(plain, x)[0], _code(rot, x)[0]
+    assert rot.wire_bytes(shape, jnp.float32) == plain.wire_bytes(shape, jnp.float32)
+    for a, b in zip(jax.tree.leaves(p_plain), jax.tree.leaves(p_rot)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+    assert sum(leaf.nbytes for leaf in jax.tree.leaves(p_rot)) == rot.wire_bytes(shape, jnp.float32)
+
+
+@pytest.mark.parametrize("spec", ["int8:rot", "int4:rot", "int2:rot"])
+def test_rotation_keeps_nan_and_inf_non_finite(spec):
+    """A non-finite entry makes its whole (rotated) block non-finite; an Inf may
+    come back as NaN, since the inverse rotation mixes +Inf and -Inf. The other
+    blocks decode as usual."""
+    codec = codecs.parse(spec + ":block=4")
+    x = jnp.array([1.0, jnp.nan, 3.0, 0.0,
+                   1.0, jnp.inf, -2.0, 0.0,
+                   -jnp.inf, 1.0, 0.0, 2.0,
+                   0.5, -1.0, 2.0, 0.25])
+    y = _f32(_roundtrip(codec, x))
+    assert np.all(np.isnan(y[0:4]))
+    assert not np.any(np.isfinite(y[4:12]))
+    assert np.all(np.isfinite(y[12:]))
+    big = np.array(_normal(LARGE, seed=8))
+    big[0, 12345], big[1, 256 * 7] = np.nan, -np.inf
+    y = _f32(_roundtrip(codecs.parse(spec), jnp.asarray(big)))
+    b0 = 12345 // 256 * 256
+    assert np.all(np.isnan(y[0, b0:b0 + 256]))
+    assert not np.any(np.isfinite(y[1, 256 * 7:256 * 8]))
+    assert np.isfinite(y[2:]).all() and np.isfinite(y[0, :b0]).all()
+
+
+def test_fit_gives_a_rotated_codec_a_power_of_two_block():
+    rot = codecs.parse("int4:rot")
+    assert codecs.fit(rot, 100).block == 128 and codecs.fit(rot, 3).block == 4
+    assert codecs.fit(rot, 256) is rot and codecs.fit(codecs.parse("int8:rot"), 1).block == 1
+    with pytest.raises(ValueError, match="power of two"):
+        codecs.IntQuant(4, block=96, rot=True)
+
+
 # ------------------------------------------------------------------ parsing
 
 
 @pytest.mark.parametrize("spec", SPECS + [
-    "int4:block=128:sr", "int2:block=3", "fp8:block=64", "topk:1", "randk:0.001"])
+    "int4:block=128:sr", "int2:block=3", "fp8:block=64", "topk:1", "randk:0.001",
+    "int8:rot", "int2:block=64:sr:rot"])
 def test_parse_round_trips(spec):
     codec = codecs.parse(spec)
     assert codecs.parse(str(codec)) == codec
@@ -492,7 +578,8 @@ def test_parse_is_case_and_space_insensitive():
 @pytest.mark.parametrize("spec", [
     "gzip", "int3", "int8:block=0", "int8:block=-4", "int8:block=abc", "int8:block",
     "topk:0", "topk:1.5", "topk:abc", "topk", "topk:nan", "randk", "randk:-0.1",
-    "int8:foo", "int8:sr:sr", "fp8:sr", "bf16:sr", "none:block=4", "int8:", ""])
+    "int8:foo", "int8:sr:sr", "fp8:sr", "bf16:sr", "none:block=4", "int8:", "",
+    "int4:rot:rot", "int4:rot:block=100", "fp8:rot", "topk:0.1:rot"])
 def test_parse_rejects_bad_specs(spec):
     with pytest.raises(ValueError) as info:
         codecs.parse(spec)

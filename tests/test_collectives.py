@@ -16,7 +16,7 @@ from jcomp import wire
 
 AXES = jmesh.AXES
 EVERY = P(AXES)  # one block per device along the leading dim
-CODECS = ["bf16", "fp16", "fp8", "int8", "int4", "int2", "int8:sr", "topk:0.25", "randk:0.5"]
+CODECS = ["bf16", "fp16", "fp8", "int8", "int4", "int4:rot", "int2", "int8:sr", "topk:0.25", "randk:0.5"]
 PERM = ((0, 1), (1, 0))
 
 
