@@ -69,6 +69,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from jcomp import faults  # noqa: E402
 from jcomp import metrics as metrics_lib  # noqa: E402
 
 AXES = ("data", "tensor", "pipeline")
@@ -196,6 +197,19 @@ def is_finished(workdir: str, steps: int) -> bool:
     if not os.path.exists(path):
         return False
     return any(r.get("step") == steps for r in metrics_lib.read_metrics(path))
+
+
+def in_use(workdir: str) -> bool:
+    """True when another trainer holds `workdir`'s lock: a second invocation of
+    this script on the same --out (another commit's runs, say) leaves that run
+    to the one training it."""
+    if not os.path.isdir(workdir):
+        return False
+    try:
+        faults.WorkdirLock(workdir).acquire().release()
+    except faults.UsageError:
+        return True
+    return False
 
 
 def run_one(spec, workdir, args, log) -> float:
@@ -462,6 +476,10 @@ def main(argv=None) -> int:
             workdir = os.path.join(out, workdir_name(spec, args.steps, seed))
             if is_finished(workdir, args.steps):
                 print(f"{os.path.basename(workdir)}: finished already, skipped", flush=True)
+                continue
+            if in_use(workdir):
+                print(f"{os.path.basename(workdir)}: being trained by another process, skipped",
+                      flush=True)
                 continue
             try:
                 walls[spec["name"], seed] = run_one(spec, workdir, args_of(spec, seed), sys.stdout)
