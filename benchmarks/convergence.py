@@ -71,6 +71,8 @@ sys.path.insert(0, ROOT)
 
 from jcomp import faults  # noqa: E402
 from jcomp import metrics as metrics_lib  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import seeds as seeds_lib  # noqa: E402
 
 AXES = ("data", "tensor", "pipeline")
 SUITES = ("main", "ablation", "sweep", "variants", "places", "seeds")
@@ -333,54 +335,6 @@ def collect(out: str, steps: int, args_of, seeds=(0,)) -> list[dict]:
     return runs
 
 
-# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def t975(df: int) -> float:
-    if df < 1:
-        raise ValueError(f"degrees of freedom must be >= 1; got {df}")
-    return _T975[df - 1] if df <= len(_T975) else 1.960
-
-
-def mean_interval(values) -> dict:
-    """n, mean, sample standard deviation and the 95% Student-t interval of the
-    mean (std and interval None for fewer than 2 values)."""
-    values = [float(v) for v in values]
-    n = len(values)
-    if n == 0:
-        raise ValueError("no values")
-    mean = statistics.fmean(values)
-    if n < 2:
-        return dict(n=n, mean=mean, std=None, ci95=None)
-    std = statistics.stdev(values)
-    half = t975(n - 1) * std / math.sqrt(n)
-    return dict(n=n, mean=mean, std=std, ci95=[mean - half, mean + half])
-
-
-def settings(runs: list[dict]) -> list[dict]:
-    """Per setting over its seeds: the final val_loss's mean and std, and the gap
-    to the baseline paired by seed (only seeds where both finished)."""
-    out = []
-    for name in dict.fromkeys(r["name"] for r in runs):
-        rows = [r for r in runs if r["name"] == name and r.get("final_val_loss") is not None]
-        if not rows:
-            continue
-        paired = [r for r in rows if r.get("gap_pct") is not None]
-        commits = sorted({r["git_commit"] or "unknown" for r in rows})
-        out.append(dict(
-            name=name, seeds=[r["seed"] for r in rows], overrides=rows[0]["overrides"],
-            policy=rows[0]["policy"], error_feedback=rows[0]["error_feedback"],
-            val_loss=mean_interval([r["final_val_loss"] for r in rows]),
-            gap_pct=mean_interval([r["gap_pct"] for r in paired]) if paired else None,
-            paired_seeds=[r["seed"] for r in paired],
-            byte_ratio=statistics.fmean(r["byte_ratio"] for r in paired) if paired else None,
-            git_commits=commits))
-    return out
-
-
 def draw_plots(out: str, runs: list[dict]) -> dict:
     """{group: png path relative to out} for the main, sweep and places groups present,
     drawn from the first seed's runs."""
@@ -509,8 +463,10 @@ def main(argv=None) -> int:
                    seq_len=cfg.data.seq_len,
                    quick=args.quick, git_commit=_git_commit(),
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   seeds=seeds, invocations=invocations, plots=draw_plots(out, runs),
-                   settings=settings(runs), runs=runs)
+                   seeds=seeds, invocations=invocations,
+                   plots={**draw_plots(out, runs),
+                          **(seeds_lib.draw(out, runs) if len(seeds) > 1 else {})},
+                   settings=seeds_lib.settings(runs), runs=runs)
     with open(summary_path, "w") as f:
         json.dump(_json_safe(summary), f, indent=1, allow_nan=False)
     for r in runs:

@@ -27,6 +27,7 @@ sys.path.insert(0, ROOT)
 from jcomp.metrics import human_bytes  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report_network  # noqa: E402
+import seeds as seeds_lib  # noqa: E402
 
 AXES = ("data", "tensor", "pipeline")
 GAP_TARGET_PCT = 1.0     # hybrid "reaches baseline loss": within 1% of its val_loss
@@ -154,6 +155,20 @@ def convergence_section(summary: dict, rel_dir: str) -> str:
     for group, png in summary.get("plots", {}).items():
         out.append(f"\n![{group} loss curves]({rel_dir}/{png}) `{rel_dir}/{png}`")
     return "\n".join(out)
+
+
+def hybrid_preset_setting(settings: list[dict]) -> str | None:
+    """The name of the setting whose policy is jcomp.policy's hybrid preset, or None."""
+    from jcomp import policy
+
+    target = policy.preset("hybrid")
+    for st in settings:
+        if any(k.count(".") != 1 for k in st["overrides"]):
+            continue  # layer or stage selections: not a preset
+        ef = {"on": True, "off": False}.get(st["error_feedback"])
+        if policy.build(st["policy"], st["overrides"], ef) == target:
+            return st["name"]
+    return None
 
 
 def _by_name(summary):
@@ -503,10 +518,14 @@ def build(results: str, page_dir: str) -> str:
                  "what one device sends per training step, read from the compiled step. Gap: "
                  "final val_loss relative to the baseline's of the same length.", ""]
         for path, s in summaries:
-            page += [convergence_section(s, rel(os.path.dirname(path))), ""]
             if s.get("quick"):
                 claims.append(f"`{rel(path)}` is a --quick smoke run: its numbers test the "
                               "scripts, not the papers.")
+            if len(s.get("seeds", [0])) > 1:
+                page += [seeds_lib.section(s, rel(os.path.dirname(path)), compressed_what, table), ""]
+                claims += seeds_lib.claims(s, hybrid_preset_setting(s["settings"]))
+                continue
+            page += [convergence_section(s, rel(os.path.dirname(path))), ""]
             claims += [f"[{s['steps']} steps] {c}" for c in convergence_claims(s)]
     if proj:
         page += ["## Projection to GPT-NeoX-20B", "", projection_section(proj)]

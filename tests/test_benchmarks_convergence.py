@@ -165,11 +165,13 @@ def test_comparisons_against_baseline():
 
 def test_suites_and_bad_arguments():
     names = lambda suite: [s["name"] for s in conv.select(suite)]
-    assert names("main") == ["baseline", "naive", "hybrid"]
+    assert names("main") == ["baseline", "naive", "hybrid", "hybrid_paper"]
+    assert sorted(names("seeds")) == sorted(conv.SEED_RUNS)
     assert names("ablation") == ["baseline", "only_data", "only_tensor", "only_pipeline"]
     sweep = names("sweep")
-    # baseline, 5 gradient codecs x EF on/off, PowerSGD, 3 activation codecs, the autoencoder
-    assert len(sweep) == 1 + 10 + 1 + 3 + 1 and "grad_topk0p01_efoff" in sweep
+    # baseline, 6 gradient codecs x EF on/off, PowerSGD, 3 activation codecs, the autoencoder
+    assert len(sweep) == 1 + 12 + 1 + 3 + 1 and "grad_topk0p01_efoff" in sweep
+    assert "grad_int4rot_efoff" in sweep
     assert {"act_int2", "grad_powersgd_r4", "act_ae32"} <= set(sweep)
     assert names("variants")[0] == "baseline" and "hybrid_grad_int8_tensor_ag_int4" in names(
         "variants")
@@ -187,6 +189,14 @@ def test_suites_and_bad_arguments():
     args = conv.train_args(spec, "configs/base.py", 100, 20, 10)
     assert "--config.compression.data.grad=int2" in args
     assert "--config.compression.error_feedback=off" in args
+    assert "--config.seed=3" in conv.train_args(spec, "configs/base.py", 100, 20, 10, seed=3)
+    assert conv.workdir_name(spec, 600) == "grad_int2_efoff-600steps"
+    assert conv.workdir_name(spec, 600, 2) == "grad_int2_efoff-600steps-seed2"
+    # The paper's recipe keeps its meaning whatever the hybrid preset becomes.
+    paper = next(s for s in conv.run_specs() if s["name"] == "hybrid_paper")
+    assert paper["policy"] == "baseline" and paper["overrides"]["data.grad"] == "int4"
+    with pytest.raises(ValueError, match="--seeds"):
+        conv.parse_args(["--seeds", "1", "1"])
     with pytest.raises(ValueError, match="suite"):
         conv.select("everything")
     with pytest.raises(ValueError, match="--only"):
@@ -261,3 +271,102 @@ def test_projection_claims_compare_order_and_bound():
     assert "The order naive > hybrid matches" in text
     assert "spends 20.0% of its step communicating" in text and "at +25.0%" in text
     assert "at least 18.4%" in text
+
+
+# ------------------------------------------------------------------- seeds
+
+seeds_lib = _load("seeds")
+
+
+def test_mean_interval_is_the_student_t_interval():
+    st = seeds_lib.mean_interval([1.0, 2.0, 3.0])
+    half = 4.303 * 1.0 / math.sqrt(3)  # t(0.975, 2) * std / sqrt(n)
+    assert st["mean"] == 2.0 and st["std"] == 1.0 and st["n"] == 3
+    assert st["ci95"] == pytest.approx([2.0 - half, 2.0 + half])
+    assert seeds_lib.mean_interval([4.0])["ci95"] is None
+    assert seeds_lib.t975(1000) == 1.960
+    with pytest.raises(ValueError):
+        seeds_lib.mean_interval([])
+    with pytest.raises(ValueError):
+        seeds_lib.t975(0)
+
+
+def _fake_run(out, name, steps, seed, val, wire=100.0):
+    spec = next(s for s in conv.run_specs() if s["name"] == name)
+    wd = out / conv.workdir_name(spec, steps, seed)
+    wd.mkdir(parents=True)
+    recs = [{"step": 1, "loss": 5.0, "wire_bytes_total": wire, "wire_bytes_data": wire}]
+    recs += [{"step": s, "loss": val + 1.0 / s, "val_loss": val if s == steps else val + 0.5}
+             for s in range(2, steps + 1)]
+    (wd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (wd / conv.COMMIT_FILE).write_text("abc1234\n")
+
+
+def test_seeds_pair_each_run_with_the_baseline_of_its_seed(tmp_path):
+    """The gap of seed s is against the baseline at seed s: a setting 1% worse
+    than the baseline at every seed has a zero-width interval at +1%, though the
+    baselines themselves spread by 10%."""
+    steps, base = 8, {0: 2.0, 1: 2.2, 2: 1.8}
+    for seed, b in base.items():
+        _fake_run(tmp_path, "baseline", steps, seed, b)
+        _fake_run(tmp_path, "naive", steps, seed, b * 1.01, wire=13.0)
+    _fake_run(tmp_path, "hybrid_paper", steps, 0, 2.0)  # one seed only
+    assert conv.seeds_on_disk(str(tmp_path), steps) == [0, 1, 2]
+    assert conv.seeds_on_disk(str(tmp_path), 9) == []
+    runs = conv.collect(str(tmp_path), steps, lambda spec, seed=0: [f"--config.seed={seed}"],
+                        seeds=[0, 1, 2])
+    assert [(r["name"], r["seed"]) for r in runs][:3] == [("baseline", 0), ("naive", 0),
+                                                          ("hybrid_paper", 0)]
+    sts = {st["name"]: st for st in seeds_lib.settings(runs)}
+    naive = sts["naive"]
+    assert naive["seeds"] == [0, 1, 2] and naive["byte_ratio"] == pytest.approx(0.13)
+    assert naive["gap_pct"]["mean"] == pytest.approx(1.0)
+    assert naive["gap_pct"]["ci95"] == pytest.approx([1.0, 1.0], abs=1e-9)
+    assert naive["val_loss"]["std"] == pytest.approx(0.2 * 1.01)
+    assert sts["hybrid_paper"]["gap_pct"]["ci95"] is None and sts["hybrid_paper"]["seeds"] == [0]
+    assert "--config.seed=2" in next(r for r in runs if r["seed"] == 2)["command"]
+    d = seeds_lib.paired_difference(runs, "naive", "baseline")
+    assert d["seeds"] == [0, 1, 2] and d["mean"] == pytest.approx(1.0)
+    assert seeds_lib.paired_difference(runs, "naive", "grad_int4_efoff") is None
+    png = seeds_lib.draw(str(tmp_path), runs)
+    assert png == {"seeds": "seeds_loss.png"}
+    assert (tmp_path / "seeds_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_seed_claims_name_the_target_setting_and_the_rotation_verdict():
+    def st(name, gaps, ratio):
+        return dict(name=name, seeds=[0, 1, 2], byte_ratio=ratio,
+                    gap_pct=seeds_lib.mean_interval(gaps), overrides={}, policy="baseline",
+                    error_feedback="off", git_commits=["abc1234"])
+
+    def runs(name, vals):
+        return [dict(name=name, seed=s, final_val_loss=v) for s, v in enumerate(vals)]
+
+    summary = dict(steps=600, seeds=[0, 1, 2], settings=[
+        st("baseline", [0, 0, 0], 1.0), st("naive", [3.0, 3.5, 2.5], 0.13),
+        st("hybrid_a", [0.1, -0.2, 0.3], 0.15), st("hybrid_b", [0.0, 0.9, 1.8], 0.14),
+        st("hybrid_paper", [2.0, 3.0, 2.5], 0.245)],
+        runs=runs("naive", [2.06, 2.07, 2.05]) + runs("hybrid_b", [2.0, 2.01, 2.0])
+        + runs("grad_int4rot_efoff", [2.0, 2.0, 2.01]) + runs("grad_int4_efoff", [2.1, 2.1, 2.1]))
+    text = "\n".join(seeds_lib.claims(summary, "hybrid_a"))
+    # hybrid_b has fewer bytes but its interval reaches past +1%; hybrid_a's does not.
+    assert "at most 1/6 of the baseline's bytes: hybrid_a (0.150" in text
+    assert "The hybrid preset (jcomp.policy) is the setting hybrid_a." in text
+    assert "hybrid_paper (0.245 of the bytes): gap +2.50%" in text and "not shown within" in text
+    assert "int4:rot against int4 on seeds 0, 1, 2: -4.60%" in text
+    assert "lower loss, beyond the noise" in text
+    assert "closest-bytes hybrid setting hybrid_b" in text and "holds here" in text
+    summary["settings"] = [s for s in summary["settings"] if s["name"] != "hybrid_a"]
+    assert "No setting has its gap's 95% interval below +1%" in "\n".join(
+        seeds_lib.claims(summary, None))
+
+
+def test_hybrid_preset_setting_matches_the_policy_table():
+    settings = [dict(name=s["name"], overrides=s["overrides"], policy=s["policy"],
+                     error_feedback=s["error_feedback"]) for s in conv.run_specs()]
+    name = report.hybrid_preset_setting(settings)
+    assert name is not None
+    from jcomp import policy
+    spec = next(s for s in conv.run_specs() if s["name"] == name)
+    ef = {"on": True, "off": False}.get(spec["error_feedback"])
+    assert policy.build(spec["policy"], spec["overrides"], ef) == policy.preset("hybrid")
