@@ -21,6 +21,10 @@ Every run is `python train.py` in a subprocess with its own workdir under
   places    int2 on tensor (act, act_grad) in every layer, in layers 0-1 only
             and in layers 2-3 only; int2 on pipeline from both stages, from
             stage 0 only and from stage 1 only (compression.layers / .stages)
+  ef        why error feedback hurts with AdamW: int4 data gradients with and
+            without feedback, each also after a 50-step uncompressed warm-up
+            (1-bit Adam's remedy), and the same codec under SGD with momentum
+            (optim.name=sgd, lr 0.3), whose update is linear in the gradient
   seeds     the settings the README's claims rest on, meant for several seeds
             and >= 600 steps: the presets, the paper's hybrid recipe spelled
             out (so it survives a change of the preset), int4 against int4:rot
@@ -75,7 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import seeds as seeds_lib  # noqa: E402
 
 AXES = ("data", "tensor", "pipeline")
-SUITES = ("main", "ablation", "sweep", "variants", "places", "seeds")
+SUITES = ("main", "ablation", "sweep", "variants", "places", "seeds", "ef")
 GRAD_SWEEP = ("int8", "int4", "int4:rot", "int2", "topk:0.1", "topk:0.01")
 ACT_SWEEP = ("int8", "int4", "int2")
 PSGD = "powersgd:rank=4"
@@ -90,6 +94,8 @@ def _tp_act(spec: str) -> dict:
     return {f"{a}.{k}": spec for a in ("tensor", "pipeline") for k in ("act", "act_grad")}
 
 
+SGD_FLAGS = ("--config.optim.name=sgd", "--config.optim.lr=0.3")
+EF_RUNS = ("baseline", "grad_int4_efon", "grad_int4_efoff")
 PAPER_HYBRID = {"data.grad": "int4", "data.param": "int8", **_tp_act("int8")}
 # The settings the README's loss claims rest on, run at several seeds.
 SEED_RUNS = ("baseline", "naive", "hybrid_paper", "hybrid_grad_int8_tensor_ag_int4",
@@ -145,6 +151,15 @@ def run_specs() -> list[dict]:
             runs.append(dict(name=f"{axis}_{PLACES_CODEC}_{place}_{part}", suite="places",
                              group="places", policy="baseline", overrides={**codec, **where},
                              error_feedback="off"))
+    # Error feedback: a warm-up before compression, and a linear optimizer.
+    for ef in ("on", "off"):
+        runs.append(dict(name=f"grad_int4_ef{ef}_warm50", suite="ef", group="ef",
+                         policy="baseline", overrides={"data.grad": "int4", "warmup_steps": "50"},
+                         error_feedback=ef))
+    for name, ov, ef in (("sgd_baseline", {}, "auto"), ("sgd_grad_int4_efon", {"data.grad": "int4"}, "on"),
+                         ("sgd_grad_int4_efoff", {"data.grad": "int4"}, "off")):
+        runs.append(dict(name=name, suite="ef", group="ef", policy="baseline", overrides=ov,
+                         error_feedback=ef, extra=SGD_FLAGS))
     # Candidates for the hybrid preset at <= 1/6 of the baseline's bytes: int4 with
     # a Hadamard rotation on every model-parallel message.
     for name, extra in (("hybrid_rot4", {"data.grad": "int8"}),
@@ -170,7 +185,9 @@ def select(suite: str, only=None) -> list[dict]:
         if name not in names:
             raise ValueError(f"--only: unknown run {name!r}; known: {', '.join(sorted(names))}")
     def in_suite(s):
-        return suite == "all" or (s["name"] in SEED_RUNS if suite == "seeds" else s["suite"] == suite)
+        if suite == "all":
+            return True
+        return s["name"] in {"seeds": SEED_RUNS, "ef": EF_RUNS}.get(suite, ()) or s["suite"] == suite
 
     chosen = [s for s in specs if s["name"] == "baseline"
               or (in_suite(s) and (not only or s["name"] in only))]
@@ -190,7 +207,7 @@ def train_args(spec: dict, config: str, steps: int, eval_every: int, warmup: int
             f"--config.compression.policy={spec['policy']}",
             f"--config.compression.error_feedback={spec['error_feedback']}"]
     args += [f"--config.compression.{key}={codec}" for key, codec in spec["overrides"].items()]
-    return args
+    return args + list(spec.get("extra", ()))
 
 
 def is_finished(workdir: str, steps: int) -> bool:
@@ -243,6 +260,9 @@ def summarize(records: list[dict]) -> dict:
     if wire is None:
         raise ValueError("no metrics record holds wire_bytes_total")
     times = [last[s]["step_time_s"] for s in steps if "step_time_s" in last[s]]
+    # Error feedback's residual against the gradient it rides on, per logged step.
+    ef_ratio = [last[s]["ef_norm"] / last[s]["grad_norm"] for s in steps
+                if "ef_norm" in last[s] and last[s].get("grad_norm")]
     return dict(
         steps=steps[-1], final_loss=last[steps[-1]]["loss"],
         final_val_loss=val[-1][1] if val else None,
@@ -250,6 +270,7 @@ def summarize(records: list[dict]) -> dict:
         wire_bytes={a: float(wire.get(f"wire_bytes_{a}", 0.0)) for a in AXES},
         wire_bytes_total=float(wire["wire_bytes_total"]),
         median_step_time_s=statistics.median(times) if times else None,
+        ef_norm_ratio=statistics.median(ef_ratio) if ef_ratio else None,
         skipped_updates=last[steps[-1]].get("skipped_updates", 0))
 
 
@@ -319,7 +340,7 @@ def collect(out: str, steps: int, args_of, seeds=(0,)) -> list[dict]:
                 continue
             row = dict(name=spec["name"], seed=seed, suite=spec["suite"], group=spec["group"],
                        policy=spec["policy"], overrides=spec["overrides"],
-                       error_feedback=spec["error_feedback"],
+                       error_feedback=spec["error_feedback"], extra=list(spec.get("extra", ())),
                        workdir=os.path.relpath(workdir, ROOT),
                        command="python train.py " + " ".join(args_of(spec, seed))
                        + f" --workdir={os.path.relpath(workdir, ROOT)}")

@@ -103,6 +103,7 @@ def compressed_what(run: dict) -> str:
     parts += [f"{k}={v}" for k, v in run["overrides"].items()]
     if run["error_feedback"] != "auto":
         parts.append(f"EF {run['error_feedback']}")
+    parts += [flag.replace("--config.", "") for flag in run.get("extra", ())]
     return ", ".join(parts)
 
 
@@ -163,8 +164,8 @@ def hybrid_preset_setting(settings: list[dict]) -> str | None:
 
     target = policy.preset("hybrid")
     for st in settings:
-        if any(k.count(".") != 1 for k in st["overrides"]):
-            continue  # layer or stage selections: not a preset
+        if any(k.count(".") != 1 for k in st["overrides"]) or st.get("extra"):
+            continue  # layer or stage selections, other optimizers: not a preset
         ef = {"on": True, "off": False}.get(st["error_feedback"])
         if policy.build(st["policy"], st["overrides"], ef) == target:
             return st["name"]

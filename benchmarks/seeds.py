@@ -61,6 +61,9 @@ def settings(runs: list[dict]) -> list[dict]:
         out.append(dict(
             name=name, seeds=[r["seed"] for r in rows], overrides=rows[0]["overrides"],
             policy=rows[0]["policy"], error_feedback=rows[0]["error_feedback"],
+            extra=rows[0].get("extra", []),
+            ef_norm_ratio=(statistics.fmean(r["ef_norm_ratio"] for r in rows)
+                           if all(r.get("ef_norm_ratio") is not None for r in rows) else None),
             val_loss=mean_interval([r["final_val_loss"] for r in rows]),
             gap_pct=mean_interval([r["gap_pct"] for r in paired]) if paired else None,
             paired_seeds=[r["seed"] for r in paired],
@@ -251,6 +254,7 @@ def claims(summary: dict, preset_setting: str | None) -> list[str]:
                        f"{st['gap_pct']['mean']:+.2f}% {_fmt_ci(st['gap_pct'])}, "
                        f"{'within' if hi < GAP_TARGET_PCT else 'not shown within'} "
                        f"{GAP_TARGET_PCT:g}% of the baseline.")
+    out += ef_claims(summary)
     d = paired_difference(runs, "grad_int4rot_efoff", "grad_int4_efoff")
     if d:
         out.append(f"{tag} Rotation on data gradients, int4:rot against int4 (error feedback "
@@ -271,4 +275,28 @@ def claims(summary: dict, preset_setting: str | None) -> list[str]:
                            f"({nb:.3f} against {h['byte_ratio']:.3f} of the bytes): "
                            f"{_diff_text(d, 'naive', h['name'])}. The paper's finding, that "
                            f"naive compression degrades the loss where hybrid does not, {holds}.")
+    return out
+
+
+def ef_claims(summary: dict) -> list[str]:
+    """Error feedback with AdamW and with SGD, and after a warm-up: paired by seed."""
+    runs = summary["runs"]
+    sts = {st["name"]: st for st in summary["settings"]}
+    tag = f"[{summary['steps']} steps, seeds {', '.join(map(str, summary['seeds']))}]"
+    out = []
+    for a, b, what in (("grad_int4_efon", "grad_int4_efoff", "AdamW"),
+                       ("sgd_grad_int4_efon", "sgd_grad_int4_efoff", "SGD with momentum"),
+                       ("grad_int4_efon_warm50", "grad_int4_efoff_warm50",
+                        "AdamW after a 50-step uncompressed warm-up"),
+                       ("grad_int4_efon_warm50", "grad_int4_efon", "AdamW, warm-up against none")):
+        d = paired_difference(runs, a, b)
+        if d:
+            out.append(f"{tag} Error feedback, {what}: {_diff_text(d, a, b)} in final "
+                       f"val_loss: {_verdict(d)}.")
+    ratios = [(n, sts[n]["ef_norm_ratio"]) for n in ("grad_int4_efon", "sgd_grad_int4_efon",
+                                                    "grad_int4_efon_warm50")
+              if n in sts and sts[n].get("ef_norm_ratio") is not None]
+    if ratios:
+        out.append(f"{tag} Residual norm over gradient norm (median over logged steps, mean "
+                   "over seeds): " + ", ".join(f"{n} {r:.2f}" for n, r in ratios) + ".")
     return out

@@ -33,8 +33,9 @@ def get_config():
         ef_reset_norm=0.0,     # >0: reset error-feedback residuals whose norm passes it
         profile_steps=""))     # "A-B": a jax.profiler trace of steps A..B in WORKDIR/profile/
 
+    # name: "adamw", or "sgd" (momentum b1; b2 and eps unused) for comparisons.
     c.optim = ml_collections.ConfigDict(dict(
-        lr=3e-3, warmup_steps=20, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
+        name="adamw", lr=3e-3, warmup_steps=20, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
         weight_decay=0.1, clip_norm=1.0, zero_stage=1))
 
     # A preset, then per-(axis, kind) codec overrides ("" keeps the preset's).

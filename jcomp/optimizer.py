@@ -104,23 +104,31 @@ def make_schedule(*, lr, warmup_steps, total_steps, min_lr_ratio=0.0) -> optax.S
         0.0, lr, int(warmup_steps), int(total_steps), end_value=min_lr_ratio * lr)
 
 
+OPTIMIZERS = ("adamw", "sgd")
+
+
 def make_tx(*, lr, warmup_steps, total_steps, min_lr_ratio=0.0, b1=0.9, b2=0.95, eps=1e-8,
-            weight_decay=0.0, decay_mask=None) -> optax.GradientTransformation:
-    """AdamW as optax.chain(scale_by_adam, add_decayed_weights(mask), scale_by_learning_rate).
+            weight_decay=0.0, decay_mask=None, name="adamw") -> optax.GradientTransformation:
+    """AdamW as optax.chain(scale_by_adam, add_decayed_weights(mask), scale_by_learning_rate);
+    name="sgd" puts optax.trace(b1) (heavy-ball momentum; b2 and eps unused) in
+    scale_by_adam's place: a linear optimizer, under which error feedback's
+    delayed gradient adds up to the gradients it delayed.
 
     decay_mask: pytree of bools shaped like the params (see `decay_mask`) or None
     (decay every leaf). Clipping is not part of it: under sharding optax would
     only see the local norm; `apply_updates` clips by the global one.
     """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"name={name!r}; allowed: {', '.join(OPTIMIZERS)}")
     schedule = make_schedule(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
                              min_lr_ratio=min_lr_ratio)
-    for name, value in (("b1", b1), ("b2", b2)):
-        _check(name, _number(name, value), 0 <= value < 1, "in [0, 1)")
+    for field, value in (("b1", b1), ("b2", b2)):
+        _check(field, _number(field, value), 0 <= value < 1, "in [0, 1)")
     # eps > 0 keeps the zero padding of every shard at exactly 0 (0 / eps), never NaN.
     _check("eps", _number("eps", eps), eps > 0, "> 0")
     _check("weight_decay", _number("weight_decay", weight_decay), weight_decay >= 0, ">= 0")
     return optax.chain(
-        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps) if name == "adamw" else optax.trace(decay=b1),
         optax.add_decayed_weights(weight_decay, decay_mask),
         optax.scale_by_learning_rate(schedule),
     )

@@ -146,6 +146,8 @@ def validate(cfg, n_devices: int):
     for name in ("optim.weight_decay", "optim.clip_norm", "optim.min_lr_ratio",
                  "train.ef_reset_norm"):
         _positive(cfg, name, zero_ok=True, integer=False)
+    if cfg.optim.name not in optimizer.OPTIMIZERS:
+        raise UsageError(f"optim.name={cfg.optim.name!r}; allowed: {', '.join(optimizer.OPTIMIZERS)}")
     if cfg.optim.zero_stage not in (1, 2):
         raise UsageError(f"optim.zero_stage={cfg.optim.zero_stage!r}; allowed: 1, 2")
     if cfg.train.nonfinite not in ("skip", "stop"):
@@ -238,10 +240,10 @@ def _check_compression_reaches_the_run(cfg, phases):
 
 
 def make_tx(cfg, total_steps=None):
-    """AdamW for `cfg.optim`; its schedule spans `total_steps` (default train.steps)."""
+    """AdamW (or SGD) for `cfg.optim`; its schedule spans `total_steps` (default train.steps)."""
     o = cfg.optim
     try:
-        return optimizer.make_tx(lr=o.lr, warmup_steps=o.warmup_steps,
+        return optimizer.make_tx(name=o.name, lr=o.lr, warmup_steps=o.warmup_steps,
                                  total_steps=total_steps or cfg.train.steps,
                                  min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, eps=o.eps,
                                  weight_decay=o.weight_decay, decay_mask=optimizer.decay_mask)

@@ -382,3 +382,22 @@ def test_nonfinite_gradient_stays_nonfinite(mesh):
     new_params, _, stats, _ = _step_fn(mesh, tx, pol, 2)(params, zstate, x)
     assert not np.isfinite(float(stats["grad_norm"]))
     assert not np.isfinite(np.asarray(new_params["w"])).all()
+
+
+def test_sgd_is_heavy_ball_momentum_and_names_are_checked():
+    """optim.name="sgd": updates are -lr * (momentum trace of the gradients) plus
+    decoupled weight decay, the same schedule as AdamW's."""
+    hp = dict(HP, weight_decay=0.0)
+    tx = opt.make_tx(**hp, name="sgd")
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    g = {"w": jnp.array([1.0, -2.0, 0.5])}
+    trace = jnp.zeros(3)
+    sched = opt.make_schedule(lr=hp["lr"], warmup_steps=hp["warmup_steps"],
+                              total_steps=hp["total_steps"], min_lr_ratio=hp["min_lr_ratio"])
+    for i in range(3):
+        updates, state = tx.update(g, state, params)
+        trace = hp["b1"] * trace + g["w"]
+        np.testing.assert_allclose(updates["w"], -sched(i) * trace, rtol=1e-6)
+    with pytest.raises(ValueError, match="adamw, sgd"):
+        opt.make_tx(**HP, name="lion")

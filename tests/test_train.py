@@ -136,6 +136,7 @@ BAD = [
     ("--config.data.source=/no/such/corpus.txt", "data.source"),
     ("--config.data.seq_len=64", "data.seq_len"),
     ("--config.train.nonfinite=ignore", "train.nonfinite"),
+    ("--config.optim.name=lion", "optim.name"),
 ]
 
 
