@@ -50,11 +50,11 @@ def get_config():
     # before the first; a bare "@STEP" starts the policy's codec ("" = from step 0).
     # E.g. schedule.data.grad="bf16@0,int8@200,int4@1000". See jcomp/schedule.py.
     c.compression.schedule = ml_collections.ConfigDict()
-    for axis in ("data", "tensor", "pipeline"):
-        c.compression[axis] = ml_collections.ConfigDict(
-            dict(grad="", param="", act="", act_grad=""))
-        c.compression.schedule[axis] = ml_collections.ConfigDict(
-            dict(grad="", param="", act="", act_grad=""))
+    # One field per message the step sends (jcomp.policy.MESSAGES).
+    for axis, kinds in (("data", ("grad", "param")), ("tensor", ("grad", "act", "act_grad")),
+                        ("pipeline", ("act", "act_grad"))):
+        c.compression[axis] = ml_collections.ConfigDict({k: "" for k in kinds})
+        c.compression.schedule[axis] = ml_collections.ConfigDict({k: "" for k in kinds})
     # Where to compress ("" = everywhere): global layer indices for the blocks'
     # tensor-parallel all-reduces, pipeline stages for what a stage sends.
     # E.g. layers.tensor.act="4-7" (later layers only), stages.pipeline.act="0".

@@ -35,6 +35,13 @@ from jcomp import codecs
 AXES = ("data", "tensor", "pipeline")
 KINDS = ("grad", "param", "act", "act_grad")
 PRESETS = ("baseline", "naive", "hybrid")
+# The table's entries that name a message the 3-D step sends. The other five
+# name none: data-parallel ranks exchange no activations, tensor ranks gather
+# no parameters (each keeps its own shard), and pipeline stages reduce no
+# gradients and gather no parameters (each owns its layers). Those stay "none";
+# a codec there is refused rather than reported as compressing something.
+MESSAGES = (("data", "grad"), ("data", "param"), ("tensor", "grad"), ("tensor", "act"),
+            ("tensor", "act_grad"), ("pipeline", "act"), ("pipeline", "act_grad"))
 # What an entry's places are: global layer indices for tensor-parallel messages
 # (each layer has its own all-reduces), stage indices for pipeline messages (a
 # stage's sends: forward to the next stage, backward to the previous one).
@@ -71,6 +78,11 @@ class Policy:
             axis, _, kind = str(key).partition(".")
             _check(axis, kind, where=f"policy override {key!r}")
             codec = codecs.parse(spec)
+            if (axis, kind) not in MESSAGES and getattr(codec, "kind", None) != "identity":
+                raise ValueError(
+                    f"policy override {key!r}: the step sends no {kind} message over "
+                    f"'{axis}', so there is nothing to compress; entries that name a "
+                    "message: " + ", ".join(f"{a}.{k}" for a, k in MESSAGES))
             if getattr(codec, "kind", None) == "lowrank" and (axis, kind) != ("data", "grad"):
                 raise ValueError(f"policy override {key!r}: {codec} compresses data-parallel "
                                  "gradients only (data.grad)")
@@ -200,8 +212,9 @@ def _freeze(entries) -> tuple:
 
 
 def uniform(spec, error_feedback: bool = False) -> Policy:
-    c = codecs.parse(spec)
-    return Policy(_freeze({(a, k): c for a in AXES for k in KINDS}), error_feedback)
+    c, none = codecs.parse(spec), codecs.parse("none")
+    return Policy(_freeze({(a, k): c if (a, k) in MESSAGES else none
+                           for a in AXES for k in KINDS}), error_feedback)
 
 
 def preset(name: str) -> Policy:

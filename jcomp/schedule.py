@@ -115,10 +115,9 @@ def parse(specs: Mapping[str, str], *, base: policy_lib.Policy | None = None,
     for key, spec in specs.items():
         field = f"{prefix}schedule.{key}"
         axis, _, kind = str(key).partition(".")
-        if (axis, kind) not in [(a, k) for a in policy_lib.AXES for k in policy_lib.KINDS]:
-            raise ValueError(f"{field}: unknown entry; allowed: axis.kind with axis in "
-                             f"{', '.join(policy_lib.AXES)} and kind in "
-                             f"{', '.join(policy_lib.KINDS)}")
+        if (axis, kind) not in policy_lib.MESSAGES:
+            raise ValueError(f"{field}: no message of the step is {key!r}; allowed: "
+                             + ", ".join(f"{a}.{k}" for a, k in policy_lib.MESSAGES))
         if isinstance(spec, str) and not spec.strip():
             continue
         items = _parse_entry(spec, field)
@@ -129,12 +128,11 @@ def parse(specs: Mapping[str, str], *, base: policy_lib.Policy | None = None,
                              "or drop warmup_steps and give every entry its own start")
         parsed[axis, kind] = items
     entries = []
-    for axis in policy_lib.AXES:
-        for kind in policy_lib.KINDS:
-            if (axis, kind) in parsed:
-                entries.append((axis, kind, parsed[axis, kind]))
-            elif warmup:
-                entries.append((axis, kind, ((warmup, None),)))
+    for axis, kind in policy_lib.MESSAGES:
+        if (axis, kind) in parsed:
+            entries.append((axis, kind, parsed[axis, kind]))
+        elif warmup:
+            entries.append((axis, kind, ((warmup, None),)))
     return Schedule(tuple(entries))
 
 

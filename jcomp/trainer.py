@@ -84,15 +84,14 @@ def build_policy(comp) -> policy_lib.Policy:
         raise UsageError(f"compression.error_feedback={comp.error_feedback!r}; "
                          "allowed: auto, on, off")
     overrides = {}
-    for axis in policy_lib.AXES:
-        for kind in policy_lib.KINDS:
-            spec = comp[axis][kind]
-            if spec:
-                try:
-                    policy_lib.preset("baseline").replace({f"{axis}.{kind}": spec})
-                except (TypeError, ValueError) as e:
-                    raise UsageError(f"compression.{axis}.{kind}: {e}") from None
-                overrides[f"{axis}.{kind}"] = spec
+    for axis, kind in policy_lib.MESSAGES:
+        spec = comp[axis][kind]
+        if spec:
+            try:
+                policy_lib.preset("baseline").replace({f"{axis}.{kind}": spec})
+            except (TypeError, ValueError) as e:
+                raise UsageError(f"compression.{axis}.{kind}: {e}") from None
+            overrides[f"{axis}.{kind}"] = spec
     ef = {"auto": None, "on": True, "off": False}[comp.error_feedback]
     try:
         pol = policy_lib.build(comp.policy, overrides, ef)
@@ -110,7 +109,7 @@ def build_phases(comp) -> list:
     """config.compression -> [(first step, policy in force)] from step 0 (see
     `jcomp.schedule`); the last one lays out the train state."""
     base = build_policy(comp)
-    specs = {f"{a}.{k}": comp.schedule[a][k] for a in policy_lib.AXES for k in policy_lib.KINDS}
+    specs = {f"{a}.{k}": comp.schedule[a][k] for a, k in policy_lib.MESSAGES}
     try:
         sched = schedule_lib.parse(specs, base=base, warmup_steps=comp.warmup_steps,
                                    prefix="compression.")

@@ -117,8 +117,8 @@ def test_finished_runs_are_reused(quick):
     before = metrics.read_text()
     proc = _run("convergence.py", "--quick", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "baseline: finished already, skipped" in proc.stdout
-    assert "hybrid: finished already, skipped" in proc.stdout
+    assert "baseline-4steps: finished already, skipped" in proc.stdout
+    assert "hybrid-4steps: finished already, skipped" in proc.stdout
     assert metrics.read_text() == before
 
 

@@ -70,3 +70,21 @@ def test_check_places_names_the_entry_and_the_range():
         pol.check_places(n_layers=8, n_stages=1)
     with pytest.raises(ValueError, match=r"stages.pipeline.act=2-3: the model has 2 stages"):
         policy.preset("hybrid").restrict({"pipeline.act": "0-3"}).check_places(8, 2)
+
+
+UNSENT = [("data", "act"), ("data", "act_grad"), ("tensor", "param"), ("pipeline", "grad"),
+          ("pipeline", "param")]
+
+
+@pytest.mark.parametrize("axis,kind", UNSENT)
+def test_entries_that_name_no_message_stay_none_and_refuse_a_codec(axis, kind):
+    """Five of the twelve entries name no message of the step; presets leave them
+    none and an override naming them is refused, so nothing reports compressing
+    a message that does not exist."""
+    assert (axis, kind) not in policy.MESSAGES
+    for name in policy.PRESETS:
+        assert str(policy.preset(name)[axis, kind]) == "none", name
+    with pytest.raises(ValueError, match=f"no {kind} message over '{axis}'.*data.grad"):
+        policy.preset("baseline").replace({f"{axis}.{kind}": "int8"})
+    assert str(policy.preset("baseline").replace({f"{axis}.{kind}": "none"})[axis, kind]) == "none"
+    assert len(policy.MESSAGES) + len(UNSENT) == len(policy.AXES) * len(policy.KINDS)

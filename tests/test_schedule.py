@@ -53,7 +53,7 @@ BAD = [
      "only item"),
     ({"data.grad": "powersgd:rank=2@5,int8@9"}, ValueError, "compression.schedule.data.grad",
      "only item"),
-    ({"data.gradient": "@5"}, ValueError, "compression.schedule.data.gradient", "unknown entry"),
+    ({"data.gradient": "@5"}, ValueError, "compression.schedule.data.gradient", "no message of the step"),
     ({"data.grad": 5}, TypeError, "compression.schedule.data.grad", "string"),
 ]
 
@@ -78,7 +78,7 @@ def test_warmup_steps_is_a_start_step_on_every_entry_without_a_schedule():
     for a, k, items in warm.entries:
         assert items == (((10, None),) if (a, k) != ("data", "grad") else
                          ((10, codecs.parse("int8")), (20, None)))
-    assert len(warm.entries) == len(jpolicy.AXES) * len(jpolicy.KINDS)
+    assert len(warm.entries) == len(jpolicy.MESSAGES)
     assert schedule.policy_at(HYBRID, warm, 9) == jpolicy.uniform("none", error_feedback=True)
     assert schedule.policy_at(HYBRID, warm, 20) == HYBRID
     with pytest.raises(ValueError, match=r"schedule\.tensor\.act.*warmup_steps=10"):

@@ -137,6 +137,7 @@ BAD = [
     ("--config.data.seq_len=64", "data.seq_len"),
     ("--config.train.nonfinite=ignore", "train.nonfinite"),
     ("--config.optim.name=lion", "optim.name"),
+    ("--config.compression.data.act=int8", "compression.data.act"),
 ]
 
 
