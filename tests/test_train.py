@@ -58,6 +58,25 @@ def test_tiny_trains_and_logs(tiny_run):
         assert any("val_loss" in json.loads(line) for line in f)
 
 
+def test_a_cached_compilation_meters_and_trains_as_a_fresh_one(tiny_run, tmp_path):
+    """The suite shares a persistent compilation cache (conftest.py). A run that
+    loads tiny's step from it (tiny_run stored it) and a run without the cache
+    read the same bytes from the compiled program and log the same losses."""
+    cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    assert os.listdir(cache), "the suite's compilation cache is empty"
+    warm = str(tmp_path / "warm")
+    assert run(warm, *TINY).returncode == 0
+    fresh = str(tmp_path / "fresh")
+    env = {k: v for k, v in _env().items() if not k.startswith("JAX_PERSISTENT_CACHE")
+           and k != "JAX_COMPILATION_CACHE_DIR"}
+    proc = subprocess.run([sys.executable, "train.py", f"--workdir={fresh}", *TINY], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wire = lambda w: {k: v for k, v in first_record(w).items() if k.startswith("wire_")}
+    assert wire(warm) == wire(fresh) and wire(fresh)["wire_bytes_total"] > 0
+    assert losses(warm) == losses(fresh)
+
+
 def test_tiny_run_writes_tensorboard_events_and_a_profile(tiny_run):
     """TensorBoard scalars beside metrics.jsonl hold the same losses, and
     train.profile_steps=2-3 left one jax.profiler trace."""
