@@ -1,6 +1,6 @@
-"""The CCGrid 2024 hybrid scheme: int4 with error feedback on data-parallel
-gradients, int8 on tensor/pipeline activations, their gradients and the ZeRO
-parameter gather."""
+"""The hybrid preset: the setting benchmarks/RESULTS.md measured best over seeds
+(int4:rot on data-parallel gradients and on tensor/pipeline activations and
+their gradients, int8 parameter gathers, no error feedback). See jcomp/policy.py."""
 from configs import base
 
 

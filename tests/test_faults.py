@@ -466,7 +466,7 @@ def test_ef_residual_past_bound_is_reset_and_reported(tmp_path):
     residual stays under: every step resets, says so, and training goes on; the
     saved residuals are zero while the residual norm before the reset was not."""
     workdir = str(tmp_path / "ef")
-    proc = run(workdir, *TINY, "--config.compression.policy=hybrid",
+    proc = run(workdir, *TINY, "--config.compression.policy=hybrid_paper",
                "--config.train.ef_reset_norm=1e-9", "--config.train.steps=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = records(workdir)
@@ -476,7 +476,7 @@ def test_ef_residual_past_bound_is_reset_and_reported(tmp_path):
         assert math.isfinite(r["loss"])
     assert recs[-1]["loss"] < recs[0]["loss"], "training did not go on"
     assert "train.ef_reset_norm" in proc.stderr and "residuals reset" in proc.stderr
-    state = restore_all(workdir, policy="hybrid")[4]
+    state = restore_all(workdir, policy="hybrid_paper")[4]
     import jax
     ef = jax.tree.leaves(state["zero"]["ef"])
     assert ef and all(not np.asarray(x).any() for x in ef)

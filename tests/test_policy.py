@@ -6,9 +6,15 @@ from jcomp import codecs, policy
 
 def test_presets_follow_their_recipes():
     assert all(codecs.parse(c).kind == "identity" for _, _, c in policy.preset("baseline").table)
+    paper = policy.preset("hybrid_paper")
+    assert str(paper["data", "grad"]) == "int4" and paper.error_feedback
+    assert {str(paper[a, k]) for a in ("tensor", "pipeline") for k in ("act", "act_grad")} == {"int8"}
     hybrid = policy.preset("hybrid")
-    assert str(hybrid["data", "grad"]) == "int4" and hybrid.error_feedback
-    assert {str(hybrid[a, k]) for a in ("tensor", "pipeline") for k in ("act", "act_grad")} == {"int8"}
+    assert not hybrid.error_feedback and str(hybrid["data", "param"]) == "int8"
+    assert {str(hybrid[a, k]) for a, k in policy.MESSAGES if (a, k) not in (
+        ("data", "param"), ("tensor", "grad"))} == {"int4:rot"}
+    naive = policy.preset("naive")
+    assert {str(naive[a, k]) for a, k in policy.MESSAGES} == {"int4"} and naive.error_feedback
     with pytest.raises(ValueError, match="unknown policy preset 'fast'.*baseline, naive, hybrid"):
         policy.preset("fast")
 
@@ -37,7 +43,7 @@ def test_format_indices_round_trips():
 
 
 def test_restrict_compresses_only_the_named_layers_and_stages():
-    pol = policy.preset("hybrid").restrict({"tensor.act": "4-7", "pipeline.act_grad": [1]})
+    pol = policy.preset("hybrid_paper").restrict({"tensor.act": "4-7", "pipeline.act_grad": [1]})
     assert pol.where("tensor", "act") == (4, 5, 6, 7) and pol.where("tensor", "act_grad") is None
     assert [pol.compresses("tensor", "act", layer=i) for i in (3, 4, 7)] == [False, True, True]
     assert pol.compresses("tensor", "act_grad", layer=0)  # unrestricted: everywhere

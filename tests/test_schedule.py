@@ -13,7 +13,7 @@ from jcomp import policy as jpolicy
 from jcomp import schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HYBRID = jpolicy.preset("hybrid")
+HYBRID = jpolicy.preset("hybrid_paper")
 
 
 def codec(pol, key):
@@ -66,7 +66,7 @@ def test_parse_rejects_with_the_field_named(specs, error, field, why):
 
 
 def test_a_bare_start_on_a_powersgd_base_must_be_the_only_item():
-    base = jpolicy.build("hybrid", {"data.grad": "powersgd:rank=2"})
+    base = jpolicy.build("hybrid_paper", {"data.grad": "powersgd:rank=2"})
     schedule.parse({"data.grad": "@5"}, base=base)  # a plain start step is fine
     with pytest.raises(ValueError, match="only item"):
         schedule.parse({"data.grad": "int8@0,@5"}, base=base)
