@@ -192,15 +192,15 @@ def validate(cfg, n_devices: int):
 def _check_randomness(phases):
     """Codecs that draw random numbers get a per-step key only where the optimizer
     sends (data.grad, data.param); inside the model they would have none."""
+    keyed = (("data", "grad"), ("data", "param"))
     for _, pol in phases:
-        for axis in ("tensor", "pipeline"):
-            for kind in ("act", "act_grad"):
-                spec = pol[axis, kind]
-                if getattr(spec, "needs_key", False):
-                    raise UsageError(
-                        f"compression.{axis}.{kind}={spec}: codecs that draw random numbers "
-                        "(stochastic rounding ':sr', randk) are supported at data.grad and "
-                        "data.param only; use a deterministic codec here (e.g. int8)")
+        for axis, kind in policy_lib.MESSAGES:
+            spec = pol[axis, kind]
+            if (axis, kind) not in keyed and getattr(spec, "needs_key", False):
+                raise UsageError(
+                    f"compression.{axis}.{kind}={spec}: codecs that draw random numbers "
+                    "(stochastic rounding ':sr', randk) are supported at data.grad and "
+                    "data.param only; use a deterministic codec here (e.g. int8)")
 
 
 def _check_data_fields(d):
