@@ -407,6 +407,8 @@ def parse_args(argv=None):
                    help="config seeds: every run once per seed (default 0)")
     p.add_argument("--out", default=DEFAULT_OUT, help="workdirs, logs, summary.json and plots")
     p.add_argument("--quick", action="store_true", help="a few steps of configs/tiny.py")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="train nothing: rebuild summary.json and plots from the finished runs")
     p.add_argument("--keep-checkpoints", action="store_true",
                    help="keep each finished run's checkpoints (deleted by default)")
     args = p.parse_args(argv)
@@ -446,7 +448,7 @@ def main(argv=None) -> int:
         return train_args(spec, args.config, args.steps, args.eval_every, args.warmup, seed)
 
     walls = {}
-    for seed in args.seeds:  # seed-major: an interrupted suite leaves whole seeds
+    for seed in [] if args.summarize_only else args.seeds:  # seed-major: whole seeds first
         for spec in specs:
             workdir = os.path.join(out, workdir_name(spec, args.steps, seed))
             if is_finished(workdir, args.steps):
@@ -476,7 +478,8 @@ def main(argv=None) -> int:
         r["wall_s"] = walls.get((r["name"], r["seed"]), next(
             (o.get("wall_s") for o in old.get("runs", [])
              if o["name"] == r["name"] and o.get("seed", 0) == r["seed"]), None))
-    invocation = "python benchmarks/convergence.py " + " ".join(argv)
+    invocation = "python benchmarks/convergence.py " + " ".join(
+        a for a in argv if a != "--summarize-only")
     invocations = [i for i in old.get("invocations", []) if i != invocation] + [invocation]
     summary = dict(config=args.config, steps=args.steps, eval_every=args.eval_every,
                    warmup_steps=args.warmup, mesh=cfg.mesh.to_dict(),
@@ -485,8 +488,8 @@ def main(argv=None) -> int:
                    quick=args.quick, git_commit=_git_commit(),
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    seeds=seeds, invocations=invocations,
-                   plots={**draw_plots(out, runs),
-                          **(seeds_lib.draw(out, runs) if len(seeds) > 1 else {})},
+                   # With several seeds, one banded plot stands for every group's.
+                   plots=seeds_lib.draw(out, runs) if len(seeds) > 1 else draw_plots(out, runs),
                    settings=seeds_lib.settings(runs), runs=runs)
     with open(summary_path, "w") as f:
         json.dump(_json_safe(summary), f, indent=1, allow_nan=False)

@@ -184,7 +184,7 @@ def section(summary: dict, rel_dir: str, compressed_what, table) -> str:
     out = [f"### {rel_dir}: {summary['steps']} steps of {summary['config']}, seeds "
            f"{', '.join(map(str, summary['seeds']))}",
            f"Model d_model {m['d_model']}, {m['n_layers']} layers; batch {summary['batch_size']} x "
-           f"{summary['seq_len']} tokens; mesh {summary['mesh']}; warm-up "
+           f"{summary['seq_len']} tokens; mesh {summary['mesh']}; learning-rate warm-up "
            f"{summary['warmup_steps']} steps. A seed sets the initial weights and the data order "
            "alike. Gap: final val_loss against the baseline's at the same seed, mean ± std "
            "over the paired seeds, and its 95% Student-t interval. The commits column names "
