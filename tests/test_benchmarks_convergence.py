@@ -331,6 +331,14 @@ def test_seeds_pair_each_run_with_the_baseline_of_its_seed(tmp_path):
     png = seeds_lib.draw(str(tmp_path), runs)
     assert png == {"seeds": "seeds_loss.png"}
     assert (tmp_path / "seeds_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --summarize-only trains nothing and writes the same settings to summary.json.
+    assert conv.main(["--suite", "seeds", "--steps", str(steps), "--seeds", "0", "--out",
+                      str(tmp_path), "--summarize-only"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["seeds"] == [0, 1, 2] and summary["plots"] == {"seeds": "seeds_loss.png"}
+    got = {st["name"]: st for st in summary["settings"]}
+    assert got["naive"]["gap_pct"]["mean"] == pytest.approx(1.0)
+    assert not any((tmp_path / n).exists() for n in ("hybrid_paper-8steps-seed1", "baseline-8steps-seed3"))
 
 
 def test_seed_claims_name_the_target_setting_and_the_rotation_verdict():
