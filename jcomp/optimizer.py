@@ -217,6 +217,14 @@ def shard_len(n_local: int, n_data: int, multiple: int) -> int:
     return max(-(-per_rank // multiple) * multiple, multiple)
 
 
+def check_stage(policy, stage) -> None:
+    """ValueError where the policy's gradient codec cannot run at this ZeRO stage."""
+    psgd = _powersgd(policy)
+    if psgd is not None and stage != 1:
+        raise ValueError("powersgd needs optim.zero_stage=1: its factors are all-reduced, "
+                         f"not reduce-scattered; got stage={stage} with data.grad={psgd}")
+
+
 def uses_error_feedback(policy) -> bool:
     """Whether the state carries residuals: the policy asks and the grad codec is lossy."""
     return bool(policy.error_feedback) and grad_codec(policy).kind != "identity"
@@ -467,9 +475,7 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
         if on != (name in zstate):
             raise ValueError(f"zstate[{name!r}] must be {'present' if on else 'absent'} for "
                              f"policy {policy}; build the state with init_state for this policy")
-    if psgd is not None and stage != 1:
-        raise ValueError("powersgd works with optim.zero_stage=1: its factors are all-reduced, "
-                         f"not reduce-scattered; got stage={stage} with data.grad={psgd}")
+    check_stage(policy, stage)
     sent = sent_policy(policy, compress)
     _check_phase(policy, sent)
     g_codec, param_codec = sent["data", "grad"], sent["data", "param"]

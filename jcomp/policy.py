@@ -91,14 +91,7 @@ class Policy:
                     f"policy override {key!r}: the step sends no {kind} message over "
                     f"'{axis}', so there is nothing to compress; entries that name a "
                     "message: " + ", ".join(f"{a}.{k}" for a, k in MESSAGES))
-            if getattr(codec, "kind", None) == "lowrank" and (axis, kind) != ("data", "grad"):
-                raise ValueError(f"policy override {key!r}: {codec} compresses data-parallel "
-                                 "gradients only (data.grad)")
-            if getattr(codec, "kind", None) == "learned" and (axis, kind) not in (
-                    ("tensor", "act"), ("tensor", "act_grad")):
-                raise ValueError(f"policy override {key!r}: the learned autoencoder {codec} "
-                                 "codes tensor-parallel activations only (tensor.act, "
-                                 "tensor.act_grad)")
+            check_placement(codec, axis, kind, f"policy override {key!r}")
             entries[axis, kind] = codec
         return dataclasses.replace(self, table=_freeze(entries))
 
@@ -206,6 +199,23 @@ def format_indices(idx) -> str:
         else:
             runs.append([i, i])
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# Where each structured codec may stand (byte codecs fit every message): its
+# `kind` -> (the entries it fits, what it does). The one table of placements.
+PLACEMENT = {
+    "lowrank": ((("data", "grad"),), "compresses data-parallel gradients only"),
+    "learned": ((("tensor", "act"), ("tensor", "act_grad")),
+                "codes tensor-parallel activations only"),
+}
+
+
+def check_placement(codec, axis: str, kind: str, where: str) -> None:
+    """ValueError, starting with `where`, if `codec` may not stand at axis.kind."""
+    rule = PLACEMENT.get(getattr(codec, "kind", None))
+    if rule and (axis, kind) not in rule[0]:
+        fits = ", ".join(f"{a}.{k}" for a, k in rule[0])
+        raise ValueError(f"{where}: {codec} {rule[1]} ({fits})")
 
 
 def _check(axis, kind, where="policy"):

@@ -34,7 +34,6 @@ from typing import Mapping
 from jcomp import codecs
 from jcomp import policy as policy_lib
 
-LOWRANK_ENTRY = ("data", "grad")
 STATEFUL_KINDS = ("lowrank", "learned")  # codec kinds that own train state
 
 
@@ -89,10 +88,8 @@ def _parse_entry(spec: str, field: str) -> tuple:
 
 def _check_stateful(axis, kind, items, base, field, spec):
     resolved = [base[axis, kind] if c is None and base is not None else c for _, c in items]
-    if any(getattr(c, "kind", None) == "lowrank" for c in resolved) and \
-            (axis, kind) != LOWRANK_ENTRY:
-        raise ValueError(f"{field}={spec!r}: powersgd compresses data-parallel gradients only "
-                         "(data.grad)")
+    for c in resolved:
+        policy_lib.check_placement(c, axis, kind, f"{field}={spec!r}")
     stateful = [c for c in resolved if getattr(c, "kind", None) in STATEFUL_KINDS]
     if stateful and len(items) > 1:
         raise ValueError(f"{field}={spec!r}: {stateful[0]} must be the only item (CODEC@N or "

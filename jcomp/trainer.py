@@ -171,9 +171,10 @@ def validate(cfg, n_devices: int):
     _check_randomness(phases)
     pol = phases[-1][1]
     _check_compression_reaches_the_run(cfg, phases)
-    if getattr(pol["data", "grad"], "kind", None) == "lowrank" and cfg.optim.zero_stage != 1:
-        raise UsageError("compression.data.grad=powersgd needs optim.zero_stage=1: its "
-                         "factors are all-reduced, not reduce-scattered")
+    try:
+        optimizer.check_stage(pol, cfg.optim.zero_stage)
+    except ValueError as e:
+        raise UsageError(f"compression.data.grad: {e}") from None
     try:
         ae = autoencoder.dims(pol)
     except ValueError as e:

@@ -94,3 +94,19 @@ def test_entries_that_name_no_message_stay_none_and_refuse_a_codec(axis, kind):
         policy.preset("baseline").replace({f"{axis}.{kind}": "int8"})
     assert str(policy.preset("baseline").replace({f"{axis}.{kind}": "none"})[axis, kind]) == "none"
     assert len(policy.MESSAGES) + len(UNSENT) == len(policy.AXES) * len(policy.KINDS)
+
+
+@pytest.mark.parametrize("key,spec,fits", [
+    ("tensor.grad", "powersgd:rank=2", "data.grad"), ("pipeline.act", "powersgd:rank=2", "data.grad"),
+    ("data.grad", "ae:dim=8", "tensor.act, tensor.act_grad"),
+    ("pipeline.act", "ae:dim=8", "tensor.act, tensor.act_grad")])
+def test_structured_codecs_stand_only_where_the_placement_table_says(key, spec, fits):
+    """One table (policy.PLACEMENT) decides, for the policy and the schedule alike."""
+    with pytest.raises(ValueError, match=rf"policy override '{key}'.*only \({fits}\)"):
+        policy.preset("baseline").replace({key: spec})
+    from jcomp import schedule
+    with pytest.raises(ValueError, match=rf"schedule.{key}=.*only \({fits}\)"):
+        schedule.parse({key: f"{spec}@3"})
+    axis, kind = key.split(".")
+    ok = [k for k, (entries, _) in policy.PLACEMENT.items() if (axis, kind) in entries]
+    assert codecs.parse(spec).kind not in ok
