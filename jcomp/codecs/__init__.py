@@ -1,0 +1,89 @@
+"""Codecs: what a compressed collective actually puts on the wire.
+
+A codec is a small immutable object. It codes each slice along the *last*
+axis of its input independently, so a collective can split a buffer into one
+row per peer (`x_NxC`) and encode all rows at once:
+
+  payload = codec.encode(x_RxC, key=None)   # pytree of arrays, leading dims R
+  x_RxC   = codec.decode(payload, (R, C), dtype)
+  nbytes  = codec.wire_bytes((R, C), dtype) # exact bytes of `payload`
+
+Leading dimensions are arbitrary (`x` of shape (*lead, C) gives payload leaves
+with leading dims `lead`); a 0-d input is coded as shape (1,).
+
+`kind` tells a collective how partial results combine:
+  "identity": no coding at all; collectives call `jax.lax` unchanged.
+  "dense":    payload rows can be decoded, summed in float32 and re-encoded.
+  "sparse":   payload is (values, indices); sums are scatter-adds.
+
+`row_multiple` is the row length that codes without padding: a collective that
+chooses its row length C as a multiple of it sends no padding bytes.
+
+Codecs with `needs_key` (stochastic rounding, random-k) take a PRNG key in
+`encode`. Collectives fold the device's axis index into that key
+(`jax.random.fold_in(key, lax.axis_index(axis))`) so that devices draw
+independent noise; the same key on every device would correlate their errors.
+
+Non-finite inputs are never turned into finite outputs: a NaN or Inf inside a
+quantization block makes that block decode to NaN/Inf.
+
+The package, by family: `base` (shapes, Identity, the 16-bit Casts),
+`blockwise` (IntQuant with its rotation, Fp8, `fit`), `sparse` (TopK, RandK)
+and `spec` (the NAME[:OPTION] grammar, free of the codecs). `parse` below
+reads a spec into one of them. The structured codecs (jcomp.powersgd,
+jcomp.autoencoder) live in their own modules and are imported lazily here:
+they build on the collectives, which build on these codecs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from jcomp.codecs.base import Cast, Identity, Payload  # noqa: F401
+from jcomp.codecs.blockwise import (  # noqa: F401
+    DEFAULT_BLOCK, Fp8, IntQuant, _e4m3_bits, _e4m3_values, _fwht, _rotate, _unrotate,
+    block_options, fit)
+from jcomp.codecs.sparse import RandK, TopK, _num_kept, _top_k_indices  # noqa: F401
+from jcomp.codecs.spec import VALID_FORMS, _bad, _fraction_option, key_value_options  # noqa: F401
+
+
+def parse(spec) -> Any:
+    """Reads a codec spec such as "int8", "int4:block=128:sr", "topk:0.01".
+
+    Case-insensitive; surrounding whitespace is ignored. A codec object passes
+    through unchanged. Raises ValueError naming the spec and listing the valid
+    forms.
+    """
+    if not isinstance(spec, str):
+        if hasattr(spec, "encode") and hasattr(spec, "wire_bytes"):
+            return spec
+        if getattr(spec, "kind", None) in ("lowrank", "learned"):
+            return spec  # PowerSGD (jcomp.powersgd), autoencoder (jcomp.autoencoder)
+        raise TypeError(f"codec spec must be a string or a codec; got {type(spec).__name__}")
+    name, *opts = [part.strip() for part in spec.strip().lower().split(":")]
+    plain = {"none": Identity, "bf16": lambda: Cast("bf16", jnp.bfloat16),
+             "fp16": lambda: Cast("fp16", jnp.float16)}
+    if name in plain:
+        if opts:
+            raise _bad(spec, f"{name!r} takes no options")
+        return plain[name]()
+    if name in ("int8", "int4", "int2"):
+        block, sr, rot = block_options(spec, opts, allow_sr=True)
+        if rot and block & (block - 1):
+            raise _bad(spec, f"rot needs a block that is a power of two, got block={block}")
+        return IntQuant(int(name[3:]), block, sr, rot)
+    if name == "fp8":
+        block, _, _ = block_options(spec, opts, allow_sr=False)
+        return Fp8(block)
+    if name in ("topk", "randk"):
+        return (TopK if name == "topk" else RandK)(_fraction_option(spec, name, opts))
+    if name == "powersgd":
+        from jcomp import powersgd  # it builds on this module and the collectives
+
+        return powersgd.parse(spec)
+    if name == "ae":
+        from jcomp import autoencoder
+
+        return autoencoder.parse(spec)
+    raise _bad(spec, f"unknown codec {name!r}")
