@@ -1,5 +1,9 @@
 """Block quantizers: int8/int4/int2 (optionally rotated) and fp8, each a float32
-absmax scale per block of the last axis, codes packed into bytes."""
+absmax scale per block of the last axis, codes packed into bytes.
+
+Shape letters: R the leading (row) dimensions, C a row's length, NB the blocks
+per row, BL a block's length (the `block` field), P = NB * BL the padded row;
+in packing, G groups of S codes, cut into runs of RUN codes."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +44,7 @@ def _max_abs(a, b):
     return jax.lax.max(jax.lax.abs(a), jax.lax.abs(b))
 
 
-def _block_absmax(x_LxNBxB):
+def _block_absmax(x_RxNBxBL):
     """max |x| over each block -> (*lead, NB); NaN if the block holds a NaN.
 
     Written as a reduction with the reducer max(|a|, |b|), not max(abs(x)):
@@ -48,42 +52,42 @@ def _block_absmax(x_LxNBxB):
     skips NaN, which would let a NaN block quantize as finite. This form also
     lets XLA fuse whatever computes x (a decoded sum) into the reduction.
     """
-    zero = jnp.zeros((), x_LxNBxB.dtype)
-    return jax.lax.reduce(x_LxNBxB, zero, _max_abs, (x_LxNBxB.ndim - 1,))
+    zero = jnp.zeros((), x_RxNBxBL.dtype)
+    return jax.lax.reduce(x_RxNBxBL, zero, _max_abs, (x_RxNBxBL.ndim - 1,))
 
 
-def _block_scale(x_LxNBxB, qmax: float):
+def _block_scale(x_RxNBxBL, qmax: float):
     """Per-block absmax scale and the scaled values x/scale in [-qmax, qmax].
 
     A zero block gets scale 0 and values 0 (dividing by 1 instead of 0). A block
     holding NaN/Inf gets a NaN/Inf scale: the absmax propagates NaN, |Inf| is Inf.
-    Returns (v_LxNBxB, scale_LxNB, finite_LxNBx1).
+    Returns (v_RxNBxBL, scale_RxNB, finite_RxNBx1).
     """
-    scale_LxNB = _block_absmax(x_LxNBxB) / qmax
-    finite_LxNB = jnp.isfinite(scale_LxNB)
-    safe_LxNB = jnp.where(finite_LxNB & (scale_LxNB > 0), scale_LxNB, 1.0)
-    return x_LxNBxB / safe_LxNB[..., None], scale_LxNB, finite_LxNB[..., None]
+    scale_RxNB = _block_absmax(x_RxNBxBL) / qmax
+    finite_RxNB = jnp.isfinite(scale_RxNB)
+    safe_RxNB = jnp.where(finite_RxNB & (scale_RxNB > 0), scale_RxNB, 1.0)
+    return x_RxNBxBL / safe_RxNB[..., None], scale_RxNB, finite_RxNB[..., None]
 
 
-def _nonfinite_codes(x_LxNBxB, finite_LxNBx1, v_LxNBxB, qmax: float):
+def _nonfinite_codes(x_RxNBxBL, finite_RxNBx1, v_RxNBxBL, qmax: float):
     """In a non-finite block, code sign(x)*qmax so decode gives +-Inf (Inf scale)
     or NaN (NaN scale); zeros and NaNs code as 0, which decodes to NaN."""
-    signed = jnp.where(x_LxNBxB > 0, qmax, jnp.where(x_LxNBxB < 0, -qmax, 0.0))
-    return jnp.where(finite_LxNBx1, v_LxNBxB, signed)
+    signed = jnp.where(x_RxNBxBL > 0, qmax, jnp.where(x_RxNBxBL < 0, -qmax, 0.0))
+    return jnp.where(finite_RxNBx1, v_RxNBxBL, signed)
 
 
-def _from_blocks(v_LxNBxB, scale_LxNB, shape, dtype):
+def _from_blocks(v_RxNBxBL, scale_RxNB, shape, dtype):
     """Multiplies back by the scale in float32, drops padding, casts to `dtype`."""
     rows = _rows_shape(shape)
-    x_LxNBxB = v_LxNBxB.astype(jnp.float32) * scale_LxNB[..., None]
-    x_LxP = x_LxNBxB.reshape(*x_LxNBxB.shape[:-2], -1)
-    if x_LxP.shape[-1] != rows[-1]:
-        x_LxP = x_LxP[..., : rows[-1]]
-    return x_LxP.reshape(shape).astype(dtype)
+    x_RxNBxBL = v_RxNBxBL.astype(jnp.float32) * scale_RxNB[..., None]
+    x_RxP = x_RxNBxBL.reshape(*x_RxNBxBL.shape[:-2], -1)
+    if x_RxP.shape[-1] != rows[-1]:
+        x_RxP = x_RxP[..., : rows[-1]]
+    return x_RxP.reshape(shape).astype(dtype)
 
 
-# Rotation. A randomized Hadamard transform, H D / sqrt(B) with D a fixed +-1
-# diagonal, spreads a block's outliers over all of its B elements, so the
+# Rotation. A randomized Hadamard transform, H D / sqrt(BL) with D a fixed +-1
+# diagonal, spreads a block's outliers over all of its BL elements, so the
 # absmax scale sits near the block's RMS instead of its largest entry and the
 # rounding step shrinks. It is orthonormal and linear: decode inverts it
 # exactly, and a sum of rotated rows is the rotation of the sum, so the dense
@@ -102,26 +106,26 @@ def _rot_signs(block: int):
     return jnp.asarray(1.0 - 2.0 * (raw & 1).astype(np.float32))
 
 
-def _fwht(x_LxNBxB):
+def _fwht(x_RxNBxBL):
     """Orthonormal fast Walsh-Hadamard transform along the last axis (a power of
-    two, B): log2(B) butterfly passes of O(B) each, no B x B matrix. Its own inverse."""
-    b = x_LxNBxB.shape[-1]
-    lead = x_LxNBxB.shape[:-1]
+    two, BL): log2(BL) butterfly passes of O(BL) each, no BL x BL matrix. Its own inverse."""
+    b = x_RxNBxBL.shape[-1]
+    lead = x_RxNBxBL.shape[:-1]
     h = 1
     while h < b:
-        x_LxGx2xH = x_LxNBxB.reshape(*lead, b // (2 * h), 2, h)
-        lo, hi = x_LxGx2xH[..., 0, :], x_LxGx2xH[..., 1, :]
-        x_LxNBxB = jnp.stack([lo + hi, lo - hi], axis=-2).reshape(*lead, b)
+        x_RxGx2xH = x_RxNBxBL.reshape(*lead, b // (2 * h), 2, h)
+        lo, hi = x_RxGx2xH[..., 0, :], x_RxGx2xH[..., 1, :]
+        x_RxNBxBL = jnp.stack([lo + hi, lo - hi], axis=-2).reshape(*lead, b)
         h *= 2
-    return x_LxNBxB * (1.0 / math.sqrt(b))
+    return x_RxNBxBL * (1.0 / math.sqrt(b))
 
 
-def _rotate(x_LxNBxB):
-    return _fwht(x_LxNBxB * _rot_signs(x_LxNBxB.shape[-1]))
+def _rotate(x_RxNBxBL):
+    return _fwht(x_RxNBxBL * _rot_signs(x_RxNBxBL.shape[-1]))
 
 
-def _unrotate(x_LxNBxB):
-    return _fwht(x_LxNBxB) * _rot_signs(x_LxNBxB.shape[-1])
+def _unrotate(x_RxNBxBL):
+    return _fwht(x_RxNBxBL) * _rot_signs(x_RxNBxBL.shape[-1])
 
 
 # Packing. Codes are packed 8 // bits per byte in runs: a group of S codes is
@@ -132,43 +136,43 @@ def _unrotate(x_LxNBxB):
 # sharing a byte, keep every step a contiguous slice that XLA:CPU vectorises.
 
 
-def _groups(u_LxNBxB, per: int):
+def _groups(u_RxNBxBL, per: int):
     """Codes as (*lead, G, S) groups with S a multiple of `per`."""
-    if u_LxNBxB.shape[-1] % per == 0:
-        return u_LxNBxB
-    u_LxP = u_LxNBxB.reshape(*u_LxNBxB.shape[:-2], 1, -1)
-    p = u_LxP.shape[-1]
-    return jnp.pad(u_LxP, [(0, 0)] * (u_LxP.ndim - 1) + [(0, -(-p // per) * per - p)])
+    if u_RxNBxBL.shape[-1] % per == 0:
+        return u_RxNBxBL
+    u_RxP = u_RxNBxBL.reshape(*u_RxNBxBL.shape[:-2], 1, -1)
+    p = u_RxP.shape[-1]
+    return jnp.pad(u_RxP, [(0, 0)] * (u_RxP.ndim - 1) + [(0, -(-p // per) * per - p)])
 
 
-def _pack(u_LxNBxB, bits: int):
-    """Packs unsigned codes < 2**bits: (*lead, NB, B) uint8 -> (*lead, ceil(NB*B*bits/8))."""
+def _pack(u_RxNBxBL, bits: int):
+    """Packs unsigned codes < 2**bits: (*lead, NB, BL) uint8 -> (*lead, ceil(NB*BL*bits/8))."""
     per = 8 // bits
-    lead = u_LxNBxB.shape[:-2]
+    lead = u_RxNBxBL.shape[:-2]
     if per == 1:
-        return u_LxNBxB.reshape(*lead, -1)
-    u_LxGxS = _groups(u_LxNBxB, per)
-    run = u_LxGxS.shape[-1] // per
-    packed_LxGxR = u_LxGxS[..., :run]
+        return u_RxNBxBL.reshape(*lead, -1)
+    u_RxGxS = _groups(u_RxNBxBL, per)
+    run = u_RxGxS.shape[-1] // per
+    packed_RxGxRUN = u_RxGxS[..., :run]
     for k in range(1, per):
-        packed_LxGxR = packed_LxGxR | (u_LxGxS[..., k * run:(k + 1) * run] << (k * bits))
-    return packed_LxGxR.reshape(*lead, -1)
+        packed_RxGxRUN = packed_RxGxRUN | (u_RxGxS[..., k * run:(k + 1) * run] << (k * bits))
+    return packed_RxGxRUN.reshape(*lead, -1)
 
 
-def _unpack(b_LxNbytes, bits: int, nb: int, block: int):
+def _unpack(b_RxNbytes, bits: int, nb: int, block: int):
     """Inverse of `_pack`: (*lead, nbytes) uint8 -> (*lead, nb, block) uint8 codes."""
     per = 8 // bits
-    lead = b_LxNbytes.shape[:-1]
+    lead = b_RxNbytes.shape[:-1]
     if per == 1:
-        return b_LxNbytes.reshape(*lead, nb, block)
+        return b_RxNbytes.reshape(*lead, nb, block)
     whole_blocks = block % per == 0  # the groups `_pack` chose
-    b_LxGxR = b_LxNbytes.reshape(*lead, nb if whole_blocks else 1, -1)
+    b_RxGxRUN = b_RxNbytes.reshape(*lead, nb if whole_blocks else 1, -1)
     mask = jnp.uint8(2**bits - 1)
-    runs = [(b_LxGxR >> (k * bits)) & mask for k in range(per)]
-    u_LxGxS = jnp.concatenate(runs, axis=-1)
+    runs = [(b_RxGxRUN >> (k * bits)) & mask for k in range(per)]
+    u_RxGxS = jnp.concatenate(runs, axis=-1)
     if whole_blocks:
-        return u_LxGxS
-    return u_LxGxS.reshape(*lead, -1)[..., : nb * block].reshape(*lead, nb, block)
+        return u_RxGxS
+    return u_RxGxS.reshape(*lead, -1)[..., : nb * block].reshape(*lead, nb, block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,26 +233,26 @@ class IntQuant:
         _check_float(x, self.name)
         if self.sr and key is None:
             raise ValueError(f"codec {str(self)!r} uses stochastic rounding and needs key=")
-        x_LxNBxB = _to_blocks(x, self.block)
+        x_RxNBxBL = _to_blocks(x, self.block)
         if self.rot:
-            x_LxNBxB = _rotate(x_LxNBxB)
-        v, scale_LxNB, finite = _block_scale(x_LxNBxB, self.qmax)
+            x_RxNBxBL = _rotate(x_RxNBxBL)
+        v, scale_RxNB, finite = _block_scale(x_RxNBxBL, self.qmax)
         if self.sr:
             v = jnp.floor(v + jax.random.uniform(key, v.shape, jnp.float32))
         else:
             v = jnp.round(v)
-        v = _nonfinite_codes(x_LxNBxB, finite, jnp.clip(v, -self.qmax, self.qmax), self.qmax)
-        u_LxNBxB = (v + self.qmax).astype(jnp.uint8)
-        return {"q": _pack(u_LxNBxB, self.bits), "scale": scale_LxNB}
+        v = _nonfinite_codes(x_RxNBxBL, finite, jnp.clip(v, -self.qmax, self.qmax), self.qmax)
+        u_RxNBxBL = (v + self.qmax).astype(jnp.uint8)
+        return {"q": _pack(u_RxNBxBL, self.bits), "scale": scale_RxNB}
 
     def decode(self, payload: Payload, shape, dtype):
-        scale_LxNB = payload["scale"]
-        u_LxNBxB = _unpack(payload["q"], self.bits, scale_LxNB.shape[-1], self.block)
-        v = u_LxNBxB.astype(jnp.float32) - self.qmax
+        scale_RxNB = payload["scale"]
+        u_RxNBxBL = _unpack(payload["q"], self.bits, scale_RxNB.shape[-1], self.block)
+        v = u_RxNBxBL.astype(jnp.float32) - self.qmax
         if self.rot:
-            v = _unrotate(v * scale_LxNB[..., None])
-            scale_LxNB = jnp.ones_like(scale_LxNB)
-        return _from_blocks(v, scale_LxNB, shape, dtype)
+            v = _unrotate(v * scale_RxNB[..., None])
+            scale_RxNB = jnp.ones_like(scale_RxNB)
+        return _from_blocks(v, scale_RxNB, shape, dtype)
 
     def wire_bytes(self, shape, dtype) -> int:
         rows = _rows_shape(shape)
@@ -322,16 +326,16 @@ class Fp8:
     def encode(self, x, *, key=None) -> Payload:
         x = jnp.asarray(x)
         _check_float(x, self.name)
-        x_LxNBxB = _to_blocks(x, self.block)
-        v, scale_LxNB, finite = _block_scale(x_LxNBxB, self.qmax)
-        v = _nonfinite_codes(x_LxNBxB, finite, jnp.clip(v, -self.qmax, self.qmax), self.qmax)
+        x_RxNBxBL = _to_blocks(x, self.block)
+        v, scale_RxNB, finite = _block_scale(x_RxNBxBL, self.qmax)
+        v = _nonfinite_codes(x_RxNBxBL, finite, jnp.clip(v, -self.qmax, self.qmax), self.qmax)
         q = _e4m3_bits(v).reshape(*v.shape[:-2], -1)
-        return {"q": q, "scale": scale_LxNB}
+        return {"q": q, "scale": scale_RxNB}
 
     def decode(self, payload: Payload, shape, dtype):
-        scale_LxNB = payload["scale"]
-        v = _e4m3_values(payload["q"].reshape(*scale_LxNB.shape, self.block))
-        return _from_blocks(v, scale_LxNB, shape, dtype)
+        scale_RxNB = payload["scale"]
+        v = _e4m3_values(payload["q"].reshape(*scale_RxNB.shape, self.block))
+        return _from_blocks(v, scale_RxNB, shape, dtype)
 
     def wire_bytes(self, shape, dtype) -> int:
         rows = _rows_shape(shape)

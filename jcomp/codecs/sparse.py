@@ -28,11 +28,11 @@ def _num_kept(fraction: float, c: int) -> int:
     return min(max(k, 1), c)
 
 
-def _gather(x_LxC, idx_LxK):
-    return jnp.take_along_axis(x_LxC, idx_LxK, axis=-1)
+def _gather(x_RxC, idx_RxK):
+    return jnp.take_along_axis(x_RxC, idx_RxK, axis=-1)
 
 
-def _top_k_indices(score_LxC, k: int):
+def _top_k_indices(score_RxC, k: int):
     """Indices of the k largest scores of every row -> int32 (*lead, k).
 
     Scores are non-negative floats (no NaN). Ties go to the lower index, as in
@@ -41,8 +41,8 @@ def _top_k_indices(score_LxC, k: int):
     order above, where a threshold search beats XLA's partial sort, whose cost
     grows with k: 4x faster at k = C/10 on a million elements).
     """
-    lead, c = score_LxC.shape[:-1], score_LxC.shape[-1]
-    score_RxC = score_LxC.reshape(-1, c)
+    lead, c = score_RxC.shape[:-1], score_RxC.shape[-1]
+    score_RxC = score_RxC.reshape(-1, c)
     if _THRESHOLD_SELECT * k > c:
         idx_RxK = _threshold_top_k(score_RxC, k)
     elif score_RxC.shape[0] <= _UNROLLED_ROWS:
