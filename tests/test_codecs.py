@@ -345,13 +345,17 @@ def test_randk_indices_are_uniform():
 # ------------------------------------------------------- non-finite and zeros
 
 
+# Four blocks of 4: a NaN, an Inf, a -Inf, and a finite block (absmax 2).
+NONFINITE_BLOCKS = jnp.array([1.0, jnp.nan, 3.0, 0.0,
+                              1.0, jnp.inf, -2.0, 0.0,
+                              -jnp.inf, 1.0, 0.0, 2.0,
+                              0.5, -1.0, 2.0, 0.25])
+
+
 @pytest.mark.parametrize("spec", QUANT_SPECS)
 def test_nan_and_inf_make_their_block_non_finite(spec):
     codec = codecs.parse(spec + ":block=4")
-    x = jnp.array([1.0, jnp.nan, 3.0, 0.0,
-                   1.0, jnp.inf, -2.0, 0.0,
-                   -jnp.inf, 1.0, 0.0, 2.0,
-                   0.5, -1.0, 2.0, 0.25])
+    x = NONFINITE_BLOCKS
     y = _f32(_roundtrip(codec, x))
     assert np.all(np.isnan(y[0:4]))
     assert not np.any(np.isfinite(y[4:12]))
@@ -529,10 +533,7 @@ def test_rotation_keeps_nan_and_inf_non_finite(spec):
     come back as NaN, since the inverse rotation mixes +Inf and -Inf. The other
     blocks decode as usual."""
     codec = codecs.parse(spec + ":block=4")
-    x = jnp.array([1.0, jnp.nan, 3.0, 0.0,
-                   1.0, jnp.inf, -2.0, 0.0,
-                   -jnp.inf, 1.0, 0.0, 2.0,
-                   0.5, -1.0, 2.0, 0.25])
+    x = NONFINITE_BLOCKS
     y = _f32(_roundtrip(codec, x))
     assert np.all(np.isnan(y[0:4]))
     assert not np.any(np.isfinite(y[4:12]))
