@@ -10,9 +10,10 @@ def test_presets_follow_their_recipes():
     assert str(paper["data", "grad"]) == "int4" and paper.error_feedback
     assert {str(paper[a, k]) for a in ("tensor", "pipeline") for k in ("act", "act_grad")} == {"int8"}
     hybrid = policy.preset("hybrid")
-    assert not hybrid.error_feedback and str(hybrid["data", "param"]) == "int8"
-    assert {str(hybrid[a, k]) for a, k in policy.MESSAGES if (a, k) not in (
-        ("data", "param"), ("tensor", "grad"))} == {"int4:rot"}
+    assert hybrid == policy.uniform("none").replace(policy.HYBRID) and not hybrid.error_feedback
+    assert str(hybrid["data", "param"]) == "int8" and codecs.parse(hybrid["data", "grad"]).kind == "dense"
+    assert {str(hybrid[a, k]) for a in ("tensor", "pipeline") for k in ("act", "act_grad")} == {
+        "int4:rot"}
     naive = policy.preset("naive")
     assert {str(naive[a, k]) for a, k in policy.MESSAGES} == {"int4"} and naive.error_feedback
     with pytest.raises(ValueError, match="unknown policy preset 'fast'.*baseline, naive, hybrid"):
