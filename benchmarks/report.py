@@ -48,10 +48,11 @@ CPU devices of one host for a few hundred steps. Consequences:
   50-step sweep it made every gradient codec worse, while over 200 steps int4
   with EF ends below int4 without (the ef suite, paired by seed). The residual
   is about a quarter of the gradient's norm under AdamW and SGD alike (the
-  ratio claims above), so what differs is how the optimizer spends the delayed
-  part that feedback releases: AdamW's per-coordinate normalisation turns a
-  released residual into a full-size step early in training, when the second
-  moments are still small; later, the feedback pays back its bias.
+  ratio claims above), so the size of the residual does not explain the early
+  harm. A reading the runs fit, not one they prove: AdamW's per-coordinate
+  normalisation turns a released residual into a full-size step early in
+  training, while its second moments are still small, and the bias feedback
+  removes pays back only over more steps.
 - No byte crosses a network here: wire bytes are read from the compiled
   program (exact), but the time a wire would save is only projected, by the
   alpha-beta model in benchmarks/projection.py, whose latency, bandwidth,
