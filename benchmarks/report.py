@@ -46,7 +46,8 @@ CPU devices of one host for a few hundred steps. Consequences:
   (tests/test_collectives.py), and on a toy problem int2 SGD with it ends
   where exact SGD does. In these runs its sign depends on the length: in the
   50-step sweep it made every gradient codec worse, while over 200 steps int4
-  with EF ends below int4 without (the ef suite, paired by seed). The residual
+  with EF ends below int4 without at both seeds of the ef suite (within the
+  noise two seeds can resolve). The residual
   is about a quarter of the gradient's norm under AdamW and SGD alike (the
   ratio claims above), so the size of the residual does not explain the early
   harm. A reading the runs fit, not one they prove: AdamW's per-coordinate

@@ -235,7 +235,8 @@ def claims(summary: dict, preset_setting: str | None) -> list[str]:
         out.append(f"{tag} Fewest bytes with the gap's 95% interval below +{GAP_TARGET_PCT:g}% "
                    f"and at most 1/6 of the baseline's bytes: {b['name']} ({b['byte_ratio']:.3f} "
                    f"of the bytes, gap {b['gap_pct']['mean']:+.2f}% {_fmt_ci(b['gap_pct'])}).")
-    else:
+    elif any(st["byte_ratio"] is not None and st["byte_ratio"] <= BYTES_TARGET
+             for st in sts.values()):  # a suite with candidates for the hybrid target
         cands = [st for st in sts.values() if st["name"] != "baseline" and st["gap_pct"]
                  and st["gap_pct"]["ci95"] and st["byte_ratio"] <= BYTES_TARGET]
         best = min(cands, key=lambda st: st["gap_pct"]["ci95"][1], default=None)
