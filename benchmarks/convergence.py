@@ -274,6 +274,11 @@ def summarize(records: list[dict]) -> dict:
         wire_bytes_total=float(wire["wire_bytes_total"]),
         median_step_time_s=statistics.median(times) if times else None,
         ef_norm_ratio=statistics.median(ef_ratio) if ef_ratio else None,
+        # The pre-clip gradient norm over the second half of training: noisier
+        # (compressed) gradients are clipped harder at the same clip_norm.
+        late_grad_norm=statistics.median(last[s]["grad_norm"] for s in steps
+                                         if s > steps[-1] / 2 and "grad_norm" in last[s])
+        if any(s > steps[-1] / 2 and "grad_norm" in last[s] for s in steps) else None,
         skipped_updates=last[steps[-1]].get("skipped_updates", 0))
 
 

@@ -62,6 +62,8 @@ def settings(runs: list[dict]) -> list[dict]:
             name=name, seeds=[r["seed"] for r in rows], overrides=rows[0]["overrides"],
             policy=rows[0]["policy"], error_feedback=rows[0]["error_feedback"],
             extra=rows[0].get("extra", []),
+            late_grad_norm=(statistics.fmean(r["late_grad_norm"] for r in rows)
+                            if all(r.get("late_grad_norm") is not None for r in rows) else None),
             ef_norm_ratio=(statistics.fmean(r["ef_norm_ratio"] for r in rows)
                            if all(r.get("ef_norm_ratio") is not None for r in rows) else None),
             val_loss=mean_interval([r["final_val_loss"] for r in rows]),
@@ -255,6 +257,16 @@ def claims(summary: dict, preset_setting: str | None) -> list[str]:
                        f"{st['gap_pct']['mean']:+.2f}% {_fmt_ci(st['gap_pct'])}, "
                        f"{'within' if hi < GAP_TARGET_PCT else 'not shown within'} "
                        f"{GAP_TARGET_PCT:g}% of the baseline.")
+    base = sts.get("baseline")
+    if base and base.get("late_grad_norm"):
+        ratios = [(n, st["late_grad_norm"] / base["late_grad_norm"]) for n, st in sts.items()
+                  if n != "baseline" and st.get("late_grad_norm")]
+        if ratios:
+            out.append(f"{tag} Median pre-clip gradient norm over the second half of training, "
+                       "relative to the baseline's (mean over seeds): " + ", ".join(
+                           f"{n} {r:.2f}x" for n, r in ratios) + ". Above 1, clip_norm scales "
+                       "those updates down more than the baseline's, so a gap also reflects a "
+                       "different effective step size, not only what the codec loses.")
     out += ef_claims(summary)
     d = paired_difference(runs, "grad_int4rot_efoff", "grad_int4_efoff")
     if d:
