@@ -113,31 +113,18 @@ def _sparse_bytes(fraction: float, shape, dtype) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class TopK:
-    """`topk:F`: per row, the k = ceil(F*C) entries largest in magnitude.
-
-    NaN ranks as +inf magnitude, so non-finite entries are kept first: none is
-    dropped while k >= their number. Decoding scatters into zeros.
-    Payload: {"values": x.dtype (*lead, k), "indices": int32 (*lead, k)}.
-    """
+class _Sparse:
+    """What top-k and random-k share: a fraction F of each row, sent as values
+    plus int32 indices and scattered back into zeros. Subclasses choose the
+    indices in `encode`."""
 
     fraction: float
     kind: ClassVar[str] = "sparse"
-    needs_key: ClassVar[bool] = False
-    name: ClassVar[str] = "topk"
     row_multiple: ClassVar[int] = 1
 
     def __post_init__(self):
         _check_fraction(self.fraction)
         object.__setattr__(self, "fraction", float(self.fraction))
-
-    def encode(self, x, *, key=None) -> Payload:
-        x = _as_rows(jnp.asarray(x))
-        _check_float(x, self.name)
-        mag = jnp.abs(x.astype(jnp.float32))
-        mag = jnp.where(jnp.isnan(mag), jnp.inf, mag)
-        idx = _top_k_indices(mag, _num_kept(self.fraction, x.shape[-1]))
-        return {"values": _gather(x, idx), "indices": idx}
 
     def decode(self, payload: Payload, shape, dtype):
         return _scatter(payload, shape, dtype)
@@ -150,7 +137,29 @@ class TopK:
 
 
 @dataclasses.dataclass(frozen=True)
-class RandK:
+class TopK(_Sparse):
+    """`topk:F`: per row, the k = ceil(F*C) entries largest in magnitude.
+
+    NaN ranks as +inf magnitude, so non-finite entries are kept first: none is
+    dropped while k >= their number. Decoding scatters into zeros.
+    Payload: {"values": x.dtype (*lead, k), "indices": int32 (*lead, k)}.
+    """
+
+    needs_key: ClassVar[bool] = False
+    name: ClassVar[str] = "topk"
+
+    def encode(self, x, *, key=None) -> Payload:
+        x = _as_rows(jnp.asarray(x))
+        _check_float(x, self.name)
+        mag = jnp.abs(x.astype(jnp.float32))
+        mag = jnp.where(jnp.isnan(mag), jnp.inf, mag)
+        idx = _top_k_indices(mag, _num_kept(self.fraction, x.shape[-1]))
+        return {"values": _gather(x, idx), "indices": idx}
+
+
+
+@dataclasses.dataclass(frozen=True)
+class RandK(_Sparse):
     """`randk:F`: per row, k = ceil(F*C) indices drawn uniformly without
     replacement from `key` (required).
 
@@ -160,15 +169,8 @@ class RandK:
     to k) so a NaN/Inf is not hidden by chance. Payload as `TopK`.
     """
 
-    fraction: float
-    kind: ClassVar[str] = "sparse"
     needs_key: ClassVar[bool] = True
     name: ClassVar[str] = "randk"
-    row_multiple: ClassVar[int] = 1
-
-    def __post_init__(self):
-        _check_fraction(self.fraction)
-        object.__setattr__(self, "fraction", float(self.fraction))
 
     def encode(self, x, *, key=None) -> Payload:
         x = _as_rows(jnp.asarray(x))
@@ -181,11 +183,3 @@ class RandK:
         idx = _top_k_indices(score, _num_kept(self.fraction, x.shape[-1]))
         return {"values": _gather(x, idx), "indices": idx}
 
-    def decode(self, payload: Payload, shape, dtype):
-        return _scatter(payload, shape, dtype)
-
-    def wire_bytes(self, shape, dtype) -> int:
-        return _sparse_bytes(self.fraction, shape, dtype)
-
-    def __str__(self):
-        return f"{self.name}:{self.fraction!r}"
