@@ -30,73 +30,16 @@ int4, int2) otherwise.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from jcomp import codecs
+from jcomp.codecs import structured
 
-VALID_FORM = ("ae:dim=A[:init=orthogonal|normal][:rest=CODEC] (A an int >= 1; CODEC one of "
-              "none, bf16, fp16, fp8, int8, int4, int2)")
-INITS = ("orthogonal", "normal")
-RESTS = ("none", "bf16", "fp16", "fp8", "int8", "int4", "int2")
 SUBBLOCKS = ("attn", "mlp")
 # The Block parameters whose gradient differs per tensor rank (see the docstring).
 VARYING_OVER_TENSOR = tuple(f"{s}_ae_{p}" for s in SUBBLOCKS for p in ("out_enc", "in_dec"))
-
-
-@dataclasses.dataclass(frozen=True)
-class Autoencoder:
-    dim: int
-    init: str = "orthogonal"
-    rest: str = "none"
-    name = "ae"
-    kind = "learned"
-    needs_key = False
-    row_multiple = 1
-
-    def __post_init__(self):
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
-            raise ValueError(f"ae dim must be an int >= 1; got {self.dim!r}")
-        if self.init not in INITS:
-            raise ValueError(f"ae init must be one of {', '.join(INITS)}; got {self.init!r}")
-        if self.rest not in RESTS:
-            raise ValueError(f"ae rest must be one of {', '.join(RESTS)}; got {self.rest!r}")
-
-    def __str__(self):
-        out = f"ae:dim={self.dim}"
-        if self.init != "orthogonal":
-            out += f":init={self.init}"
-        if self.rest != "none":
-            out += f":rest={self.rest}"
-        return out
-
-
-def _bad(spec, why) -> ValueError:
-    return ValueError(f"invalid autoencoder spec {spec!r}: {why}; expected {VALID_FORM}")
-
-
-def parse(spec) -> Autoencoder:
-    """Reads "ae:dim=A[:init=...][:rest=...]" (case-insensitive)."""
-    if isinstance(spec, Autoencoder):
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"autoencoder spec must be a string; got {type(spec).__name__}")
-    name, *opts = [p.strip() for p in spec.strip().lower().split(":")]
-    if name != "ae":
-        raise _bad(spec, f"it must start with 'ae', not {name!r}")
-    fields = codecs.key_value_options(opts, ("dim", "init", "rest"), lambda why: _bad(spec, why))
-    if "dim" not in fields:
-        raise _bad(spec, "dim is missing")
-    try:
-        fields["dim"] = int(fields["dim"])
-    except ValueError:
-        raise _bad(spec, f"dim must be an int >= 1, got {fields['dim']!r}") from None
-    try:
-        return Autoencoder(**fields)
-    except ValueError as e:
-        raise _bad(spec, str(e)) from None
+# The spec lives with the other codecs' (jcomp.codecs.structured).
+Autoencoder, parse, VALID_FORM = structured.Autoencoder, structured.parse_ae, structured.AE_FORM
 
 
 def dims(pol) -> dict:

@@ -29,104 +29,18 @@ with the `fallback` codec instead (with error feedback when a residual is kept).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jcomp import codecs
 from jcomp import collectives as cc
+from jcomp.codecs import structured
 
-VALID_FORM = ("powersgd:rank=R[:factor=CODEC][:fallback=CODEC][:min_compression=F] "
-              "(R an int >= 1, F a number >= 1, CODEC a codec spec without ':' such as "
-              "none, bf16, int8)")
 Q_SEED = 0  # every data rank draws the same initial Q from it
-
-
-@dataclasses.dataclass(frozen=True)
-class PowerSGD:
-    """Rank-`rank` gradient reduction. `factor_codec` codes the P and Q
-    all-reduces, `fallback` the leaves that stay dense (see the module docstring)."""
-
-    rank: int
-    factor_codec: str = "none"
-    fallback: str = "none"
-    min_compression: float = 2.0
-    name = "powersgd"
-    kind = "lowrank"
-
-    def __post_init__(self):
-        if isinstance(self.rank, bool) or not isinstance(self.rank, numbers.Integral):
-            raise TypeError(f"PowerSGD rank must be an int; got {self.rank!r}")
-        if self.rank < 1:
-            raise ValueError(f"PowerSGD rank must be >= 1; got {self.rank}")
-        mc = self.min_compression
-        if isinstance(mc, bool) or not isinstance(mc, numbers.Real):
-            raise TypeError(f"PowerSGD min_compression must be a number; got {mc!r}")
-        if not (math.isfinite(mc) and mc >= 1):
-            raise ValueError(f"PowerSGD min_compression must be finite and >= 1; got {mc}")
-        for field in ("factor_codec", "fallback"):
-            codec = codecs.parse(getattr(self, field))  # ValueError/TypeError names the spec
-            object.__setattr__(self, field, str(codec))
-        object.__setattr__(self, "rank", int(self.rank))
-        object.__setattr__(self, "min_compression", float(mc))
-
-    @property
-    def needs_key(self) -> bool:
-        return any(codecs.parse(c).needs_key for c in (self.factor_codec, self.fallback))
-
-    @property
-    def row_multiple(self) -> int:
-        """The fallback's row length: dense leaves go through it."""
-        return codecs.parse(self.fallback).row_multiple
-
-    def __str__(self):
-        parts = [f"{self.name}:rank={self.rank}"]
-        if self.factor_codec != "none":
-            parts.append(f"factor={self.factor_codec}")
-        if self.fallback != "none":
-            parts.append(f"fallback={self.fallback}")
-        if self.min_compression != 2.0:
-            parts.append(f"min_compression={self.min_compression!r}")
-        return ":".join(parts)
-
-
-def _bad(spec, why: str) -> ValueError:
-    return ValueError(f"invalid PowerSGD spec {spec!r}: {why}. Valid form: {VALID_FORM}")
-
-
-def parse(spec) -> PowerSGD:
-    """Reads "powersgd:rank=R[:factor=C][:fallback=C][:min_compression=F]"
-    (case-insensitive). A PowerSGD object passes through unchanged."""
-    if isinstance(spec, PowerSGD):
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"PowerSGD spec must be a string; got {type(spec).__name__}")
-    name, *opts = [p.strip() for p in spec.strip().lower().split(":")]
-    if name != "powersgd":
-        raise _bad(spec, f"it must start with 'powersgd', not {name!r}")
-    fields = codecs.key_value_options(opts, ("rank", "factor", "fallback", "min_compression"),
-                                      lambda why: _bad(spec, why))
-    if "factor" in fields:
-        fields["factor_codec"] = fields.pop("factor")
-    if "rank" not in fields:
-        raise _bad(spec, "rank is missing")
-    try:
-        fields["rank"] = int(fields["rank"])
-    except ValueError:
-        raise _bad(spec, f"rank must be an int >= 1, got {fields['rank']!r}") from None
-    if "min_compression" in fields:
-        try:
-            fields["min_compression"] = float(fields["min_compression"])
-        except ValueError:
-            raise _bad(spec, "min_compression must be a number >= 1") from None
-    try:
-        return PowerSGD(**fields)
-    except (TypeError, ValueError) as e:
-        raise _bad(spec, str(e)) from None
+# The spec lives with the other codecs' (jcomp.codecs.structured).
+PowerSGD, parse, VALID_FORM = structured.PowerSGD, structured.parse_powersgd, structured.POWERSGD_FORM
 
 
 # ------------------------------------------------------------------ shapes

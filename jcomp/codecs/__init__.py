@@ -30,60 +30,41 @@ quantization block makes that block decode to NaN/Inf.
 The package, by family: `base` (shapes, Identity, the 16-bit Casts),
 `blockwise` (IntQuant with its rotation, Fp8, `fit`), `sparse` (TopK, RandK)
 and `spec` (the NAME[:OPTION] grammar, free of the codecs). `parse` below
-reads a spec into one of them. The structured codecs (jcomp.powersgd,
-jcomp.autoencoder) live in their own modules and are imported lazily here:
-they build on the collectives, which build on these codecs.
+reads a spec into one of them (`reader` for the byte codecs). `structured`
+holds the specs of the structured codecs (PowerSGD, the learned
+autoencoder); their algorithms live in jcomp.powersgd and jcomp.autoencoder,
+above the collectives they use. Nothing here imports anything outside the
+package.
 """
 from __future__ import annotations
 
 from typing import Any
-
-import jax.numpy as jnp
 
 from jcomp.codecs.base import Cast, Identity, Payload  # noqa: F401
 from jcomp.codecs.blockwise import (  # noqa: F401
     DEFAULT_BLOCK, Fp8, IntQuant, _e4m3_bits, _e4m3_values, _fwht, _rotate, _unrotate,
     block_options, fit)
 from jcomp.codecs.sparse import RandK, TopK, _num_kept, _top_k_indices  # noqa: F401
+from jcomp.codecs.reader import BYTE_CODECS, byte_codec, parse_byte, split  # noqa: F401
 from jcomp.codecs.spec import VALID_FORMS, _bad, _fraction_option, key_value_options  # noqa: F401
+from jcomp.codecs.structured import Autoencoder, PowerSGD, parse_ae, parse_powersgd  # noqa: F401
 
 
 def parse(spec) -> Any:
-    """Reads a codec spec such as "int8", "int4:block=128:sr", "topk:0.01".
+    """Reads a codec spec such as "int8", "int4:block=128:sr", "topk:0.01",
+    "powersgd:rank=4" or "ae:dim=32".
 
     Case-insensitive; surrounding whitespace is ignored. A codec object passes
     through unchanged. Raises ValueError naming the spec and listing the valid
     forms.
     """
     if not isinstance(spec, str):
-        if hasattr(spec, "encode") and hasattr(spec, "wire_bytes"):
+        if isinstance(spec, (PowerSGD, Autoencoder)):
             return spec
-        if getattr(spec, "kind", None) in ("lowrank", "learned"):
-            return spec  # PowerSGD (jcomp.powersgd), autoencoder (jcomp.autoencoder)
-        raise TypeError(f"codec spec must be a string or a codec; got {type(spec).__name__}")
-    name, *opts = [part.strip() for part in spec.strip().lower().split(":")]
-    plain = {"none": Identity, "bf16": lambda: Cast("bf16", jnp.bfloat16),
-             "fp16": lambda: Cast("fp16", jnp.float16)}
-    if name in plain:
-        if opts:
-            raise _bad(spec, f"{name!r} takes no options")
-        return plain[name]()
-    if name in ("int8", "int4", "int2"):
-        block, sr, rot = block_options(spec, opts, allow_sr=True)
-        if rot and block & (block - 1):
-            raise _bad(spec, f"rot needs a block that is a power of two, got block={block}")
-        return IntQuant(int(name[3:]), block, sr, rot)
-    if name == "fp8":
-        block, _, _ = block_options(spec, opts, allow_sr=False)
-        return Fp8(block)
-    if name in ("topk", "randk"):
-        return (TopK if name == "topk" else RandK)(_fraction_option(spec, name, opts))
+        return parse_byte(spec)
+    name, opts = split(spec)
     if name == "powersgd":
-        from jcomp import powersgd  # it builds on this module and the collectives
-
-        return powersgd.parse(spec)
+        return parse_powersgd(spec)
     if name == "ae":
-        from jcomp import autoencoder
-
-        return autoencoder.parse(spec)
-    raise _bad(spec, f"unknown codec {name!r}")
+        return parse_ae(spec)
+    return byte_codec(spec, name, opts)
