@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from jcomp import mesh as jmesh  # noqa: E402
 from jcomp import model as gpt  # noqa: E402
-from jcomp import optimizer, parallel, step, wire  # noqa: E402
+from jcomp import messages, optimizer, parallel, step, wire  # noqa: E402
 from jcomp import policy as policy_lib  # noqa: E402
 
 AXES = jmesh.AXES
@@ -115,7 +115,8 @@ def build(case, cfg, tx, params, tokens_BxL1):
     shapes = jax.eval_shape(lambda: params)
     state = step.init_state(params, mesh, tx, pol)
     batch = jax.device_put(tokens_BxL1, NamedSharding(mesh, parallel.BATCH_SPEC))
-    fn = step.make_train_step(cfg, mesh, pol, tx, shapes, microbatches=case["microbatches"],
+    plan = messages.plan(pol, cfg.n_layers, dict(mesh.shape))
+    fn = step.make_train_step(cfg, mesh, pol, plan, tx, shapes, microbatches=case["microbatches"],
                               zero_stage=1, clip_norm=1.0)
     exe = fn.lower(state, batch).compile()
     return dict(exe=exe, state=state, batch=batch, report=wire.measure_compiled(exe, mesh),

@@ -38,6 +38,10 @@ from jcomp.codecs import structured
 SUBBLOCKS = ("attn", "mlp")
 # The Block parameters whose gradient differs per tensor rank (see the docstring).
 VARYING_OVER_TENSOR = tuple(f"{s}_ae_{p}" for s in SUBBLOCKS for p in ("out_enc", "in_dec"))
+# Their partition: replicated over tensor ranks (jcomp.parallel reads it beside
+# the model's own TENSOR_SHARDED_DIMS).
+TENSOR_SHARDED_DIMS = {(f"{s}_ae_{p}",): None for s in SUBBLOCKS
+                       for p in ("out_enc", "out_dec", "in_enc", "in_dec")}
 # The spec lives with the other codecs' (jcomp.codecs.structured).
 Autoencoder, parse, VALID_FORM = structured.Autoencoder, structured.parse_ae, structured.AE_FORM
 
@@ -59,6 +63,34 @@ def parts(pol) -> tuple:
     """The Block autoencoders a policy runs: "out" (tensor.act), "in" (tensor.act_grad)."""
     d = dims(pol)
     return tuple(part for part in ("out", "in") if d[f"{part}_dim"])
+
+
+def coder(part: str, dim: int, init: str):
+    """A model coder (jcomp.model's enter_coder / exit_coder) for part "in"
+    (tensor.act_grad, at tp_enter) or "out" (tensor.act, at tp_exit):
+    hook(x E) Dec, so the collective in `hook` moves the A-wide code."""
+
+    def code(block, sub, hook, x_BxLxD):
+        name = f"{sub}_ae_{part}"
+        pair = lambda key: init_pair(key, block.d_model, dim, init)
+        enc_DxA = block.param(f"{name}_enc", lambda k: pair(k)[0])
+        # An orthogonal pair starts as a projection: the decoder is the encoder's transpose.
+        dec_AxD = block.param(f"{name}_dec",
+                              lambda k: enc_DxA.T if init == "orthogonal" else pair(k)[1])
+        z_BxLxA = x_BxLxD @ enc_DxA.astype(block.dtype)
+        return hook(z_BxLxA) @ dec_AxD.astype(block.dtype)
+
+    return code
+
+
+def coders(pol, only=("out", "in")) -> dict:
+    """The model coders a policy's autoencoders need: {"exit": ..., "enter": ...},
+    each present where policy[tensor, act] (exit) or [tensor, act_grad] (enter)
+    is an autoencoder and its part is in `only`."""
+    d = dims(pol)
+    return {hook: coder(part, d[f"{part}_dim"], d["init"])
+            for hook, part in (("exit", "out"), ("enter", "in"))
+            if d[f"{part}_dim"] and part in only}
 
 
 def rest_codec(codec):

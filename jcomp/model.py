@@ -23,6 +23,12 @@ row-parallel matmul output before its bias and the residual are added
 (all-reduce forward). Row-parallel biases are separate parameters added after
 `tp_exit` so they count once. A Block given H/T heads and F/T hidden units of
 a rank's slice returns that rank's partial sums at `tp_exit`.
+
+What travels at those two points may be coded by the model itself (a learned
+autoencoder): `enter_coder` / `exit_coder`, called as coder(block, sub, hook,
+x) with sub "attn" or "mlp", return the hooked activations and may create
+parameters of the block (block.param). The default passes x to the hook as
+it is. This module knows nothing of codecs; jcomp.autoencoder provides one.
 """
 from __future__ import annotations
 
@@ -34,7 +40,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jcomp import autoencoder
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -53,15 +58,15 @@ TENSOR_SHARDED_DIMS = {
     ("mlp_out", "kernel"): 0,
     ("mlp_out_bias",): None,
 }
-# Learned autoencoder weights (jcomp.autoencoder), present only when asked for:
-# replicated over tensor ranks.
-for _sub in ("attn", "mlp"):
-    for _part in ("out_enc", "out_dec", "in_enc", "in_dec"):
-        TENSOR_SHARDED_DIMS[(f"{_sub}_ae_{_part}",)] = None
 
 
 def _identity(x):
     return x
+
+
+def _plain(block, sub, hook, x_BxLxD):
+    """The default coder: the hook on the activations as they are."""
+    return hook(x_BxLxD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,33 +162,14 @@ class Block(nn.Module):
     n_layers: int = 1  # output projections start at init_std / sqrt(2 * n_layers)
     tp_enter: Callable = _identity
     tp_exit: Callable = _identity
-    ae_out_dim: int = 0  # learned code width at tp_exit (0: none), see jcomp.autoencoder
-    ae_in_dim: int = 0   # ... at tp_enter
-    ae_init: str = "orthogonal"
-
-    def _ae(self, name, dim):
-        """(enc [D, A], dec [A, D]) parameters of one autoencoder."""
-        pair = lambda key: autoencoder.init_pair(key, self.d_model, dim, self.ae_init)
-        enc = self.param(f"{name}_enc", lambda k: pair(k)[0])
-        # An orthogonal pair starts as a projection: the decoder is the encoder's transpose.
-        dec = self.param(f"{name}_dec",
-                         lambda k: enc.T if self.ae_init == "orthogonal" else pair(k)[1])
-        return enc, dec
-
-    def _coded(self, name, dim, hook, x_BxLxD):
-        """hook(x) when dim is 0, else hook(x E) Dec: the collective in `hook`
-        moves the A-wide code (see jcomp.autoencoder)."""
-        if not dim:
-            return hook(x_BxLxD)
-        enc_DxA, dec_AxD = self._ae(name, dim)
-        z_BxLxA = x_BxLxD @ enc_DxA.astype(self.dtype)
-        return hook(z_BxLxA) @ dec_AxD.astype(self.dtype)
+    enter_coder: Callable = _plain  # see the module docstring
+    exit_coder: Callable = _plain
 
     def _enter(self, sub, h_BxLxD):
-        return self._coded(f"{sub}_ae_in", self.ae_in_dim, self.tp_enter, h_BxLxD)
+        return self.enter_coder(self, sub, self.tp_enter, h_BxLxD)
 
     def _exit(self, sub, y_BxLxD):
-        return self._coded(f"{sub}_ae_out", self.ae_out_dim, self.tp_exit, y_BxLxD)
+        return self.exit_coder(self, sub, self.tp_exit, y_BxLxD)
 
     def _ln(self, name, x_BxLxD):
         ln = nn.LayerNorm(epsilon=self.eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
@@ -218,12 +204,13 @@ class Block(nn.Module):
 
 
 def make_block(cfg: ModelConfig, n_heads=None, d_ff=None, tp_enter=_identity, tp_exit=_identity,
-               ae_out_dim=0, ae_in_dim=0, ae_init="orthogonal"):
-    """A Block for `cfg`; n_heads/d_ff default to the full (unsharded) sizes."""
+               coders=None):
+    """A Block for `cfg`; n_heads/d_ff default to the full (unsharded) sizes.
+    `coders`: {"enter": coder, "exit": coder} (see the module docstring)."""
+    coders = coders or {}
     return Block(
-        ae_out_dim=ae_out_dim,
-        ae_in_dim=ae_in_dim,
-        ae_init=ae_init,
+        enter_coder=coders.get("enter", _plain),
+        exit_coder=coders.get("exit", _plain),
         n_heads=cfg.n_heads if n_heads is None else n_heads,
         head_dim=cfg.head_dim,
         d_ff=cfg.d_ff if d_ff is None else d_ff,
@@ -242,20 +229,16 @@ def _final_ln(cfg: ModelConfig):
     return nn.LayerNorm(epsilon=cfg.ln_eps, dtype=jnp.float32, param_dtype=jnp.float32)
 
 
-def init_params(cfg: ModelConfig, key, ae_out_dim: int = 0, ae_in_dim: int = 0,
-                ae_init: str = "orthogonal") -> dict:
+def init_params(cfg: ModelConfig, key, coders=None) -> dict:
     """Float32 parameters with full (unsharded) shapes.
 
     {"embed": [V, D], "layers": Block params each with a leading [N] axis,
      "final_ln": {"scale": [D], "bias": [D]}, "head": [V, D] only if untied}.
-    ae_out_dim / ae_in_dim > 0 add learned autoencoder weights to every block
-    (`jcomp.autoencoder.dims(policy)` gives them for a policy).
+    `coders` that create parameters add them to every block
+    (`jcomp.autoencoder.coders(policy)` gives a policy's).
     """
-    for name, dim in (("ae_out_dim", ae_out_dim), ("ae_in_dim", ae_in_dim)):
-        if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim <= cfg.d_model:
-            raise ValueError(f"{name} must be an int in [0, d_model={cfg.d_model}]; got {dim!r}")
     k_embed, k_layers, k_head = jax.random.split(key, 3)
-    block = make_block(cfg, ae_out_dim=ae_out_dim, ae_in_dim=ae_in_dim, ae_init=ae_init)
+    block = make_block(cfg, coders=coders)
     x_1x1xD = jnp.zeros((1, 1, cfg.d_model), cfg.compute_dtype)
     init_layer = lambda k: block.init(k, x_1x1xD)["params"]
     normal_VxD = nn.initializers.normal(cfg.init_std)
@@ -282,14 +265,14 @@ def embed(params_embed_VxD, tokens_BxL, dtype):
 
 
 def apply_layers(params_layers, x_BxLxD, cfg: ModelConfig, tp_enter=_identity, tp_exit=_identity,
-                 remat: bool = False, use_ae=("out", "in")):
+                 remat: bool = False, coders=None):
     """Runs the stacked layers (leading axis = layers held) over x_BxLxD.
 
     The number of layers, heads and hidden units come from the parameter
     shapes, so a pipeline stage's layers or a tensor rank's slice work as is.
     `remat` recomputes each layer's activations in the backward pass.
-    `use_ae` names the autoencoders present in the parameters that run ("out",
-    "in"); the others are skipped (a compression schedule before their start).
+    `coders` as in `make_block`; parameters no coder reads are left unused (a
+    compression schedule before an autoencoder's start).
     """
     if x_BxLxD.ndim != 3 or x_BxLxD.shape[-1] != cfg.d_model:
         raise ValueError(f"x must have shape [B, L, d_model={cfg.d_model}]; got {x_BxLxD.shape}")
@@ -297,9 +280,7 @@ def apply_layers(params_layers, x_BxLxD, cfg: ModelConfig, tp_enter=_identity, t
         raise ValueError(f"sequence length {x_BxLxD.shape[1]} exceeds max_seq_len={cfg.max_seq_len}")
     n_heads_local = params_layers["qkv"]["kernel"].shape[3]
     d_ff_local = params_layers["mlp_in"]["kernel"].shape[2]
-    ae = {f"ae_{part}_dim": params_layers[f"attn_ae_{part}_enc"].shape[-1]
-          for part in ("out", "in") if f"attn_ae_{part}_enc" in params_layers and part in use_ae}
-    block = make_block(cfg, n_heads_local, d_ff_local, tp_enter, tp_exit, **ae)
+    block = make_block(cfg, n_heads_local, d_ff_local, tp_enter, tp_exit, coders)
 
     def layer(x, params_layer):
         return block.apply({"params": params_layer}, x), None
@@ -340,20 +321,20 @@ def loss(logits_BxLxV, targets_BxL):
     return -jnp.mean(logp_BxLx1)
 
 
-def forward(params, tokens_BxL, cfg: ModelConfig, remat: bool = False):
+def forward(params, tokens_BxL, cfg: ModelConfig, remat: bool = False, coders=None):
     """Single-device reference: tokens_BxL -> logits_BxLxV (float32)."""
     if jnp.ndim(tokens_BxL) != 2:
         raise ValueError(f"tokens must have shape [B, L]; got {jnp.shape(tokens_BxL)}")
     x_BxLxD = embed(params["embed"], tokens_BxL, cfg.compute_dtype)
-    x_BxLxD = apply_layers(params["layers"], x_BxLxD, cfg, remat=remat)
+    x_BxLxD = apply_layers(params["layers"], x_BxLxD, cfg, remat=remat, coders=coders)
     return head_logits(params, x_BxLxD, cfg)
 
 
-def loss_fn(params, batch_BxL1, cfg: ModelConfig, remat: bool = False):
+def loss_fn(params, batch_BxL1, cfg: ModelConfig, remat: bool = False, coders=None):
     """Next-token loss of batch_Bx(L+1): inputs batch[:, :-1], targets batch[:, 1:]."""
     if jnp.ndim(batch_BxL1) != 2 or jnp.shape(batch_BxL1)[1] < 2:
         raise ValueError(f"batch must have shape [B, L+1] with L >= 1; got {jnp.shape(batch_BxL1)}")
-    logits_BxLxV = forward(params, batch_BxL1[:, :-1], cfg, remat=remat)
+    logits_BxLxV = forward(params, batch_BxL1[:, :-1], cfg, remat=remat, coders=coders)
     return loss(logits_BxLxV, batch_BxL1[:, 1:])
 
 

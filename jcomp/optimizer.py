@@ -66,7 +66,6 @@ from jax.sharding import PartitionSpec as P
 
 from jcomp import codecs
 from jcomp import collectives as cc
-from jcomp import policy as policy_lib
 from jcomp import powersgd
 
 SHARD_AXES = ("tensor", "pipeline")  # the axes working params may be split over
@@ -421,32 +420,28 @@ def _reduce_lowrank(flats, p_leaves, q_leaves, res, codec, key):
     return own, new_qs, (new_res if res is not None else None)
 
 
-def _check_args(stage, clip_norm, compress):
+def _check_args(stage, clip_norm):
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(f"stage must be 1 or 2; got {stage!r}")
     _check("clip_norm", _number("clip_norm", clip_norm), clip_norm >= 0, ">= 0 (0 disables)")
-    if not isinstance(compress, (bool, policy_lib.Policy)):
-        raise TypeError(f"compress must be a Python bool or a policy.Policy; got {compress!r}")
 
 
-def sent_policy(policy, compress) -> policy_lib.Policy:
-    """The codecs a step sends: `policy`'s (compress=True), none (False), or the
-    phase policy `compress` itself (on `policy`'s state layout)."""
-    if isinstance(compress, policy_lib.Policy):
-        return compress
-    return policy if compress else policy_lib.uniform("none")
-
-
-def _check_phase(policy, sent):
-    """A phase may drop PowerSGD but not bring in another one: Q's shape is the layout's."""
-    spec = sent["data", "grad"]
-    if isinstance(spec, powersgd.PowerSGD) and spec != _powersgd(policy):
-        raise ValueError(f"compress: data.grad={spec} needs the PowerSGD state of that codec; "
+def _sent(policy, grad_codec, param_codec):
+    """The codecs to send (the layout policy's where None). A phase may drop
+    PowerSGD but not bring in another one: Q's shape is the layout's."""
+    g = codecs.parse(policy["data", "grad"] if grad_codec is None else grad_codec)
+    p = codecs.parse(policy["data", "param"] if param_codec is None else param_codec)
+    if g.kind == "lowrank" and g != _powersgd(policy):
+        raise ValueError(f"grad_codec={g} needs the PowerSGD state of that codec; "
                          f"the layout policy has data.grad={policy['data', 'grad']}")
+    if p.kind in ("lowrank", "learned"):
+        raise ValueError(f"param_codec={p}: parameter gathers take a byte codec")
+    return g, p
 
 
 def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip_norm=0.0,
-                  compress=True, step=None, key=None, bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
+                  grad_codec=None, param_codec=None, step=None, key=None,
+                  bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
     """One ZeRO step inside shard_map over ('data', 'tensor', 'pipeline').
 
     grads:   local gradients, local param shapes, varying over 'data' (this rank's
@@ -456,10 +451,11 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     stage:   1 or 2 (ZeRO); both reduce-scatter plain gradients; PowerSGD, whose
              factors are all-reduced, needs 1 (ValueError otherwise).
     policy:  decides the state layout (residuals, PowerSGD Q, shard padding).
-    compress: True sends `policy`'s codecs; False sends data.grad and data.param
-             with codec "none"; a Policy (a phase of `jcomp.schedule`) sends its
-             data.grad/data.param codecs on `policy`'s layout. Residuals pass a
-             lossless phase exactly; a phase without PowerSGD leaves Q as it was.
+    grad_codec, param_codec: what the gradient reduction and the parameter
+             gather send (the message plan's grad_reduce and param_gather);
+             None: `policy`'s data.grad / data.param. Residuals pass a lossless
+             codec exactly; a gradient codec other than the layout's PowerSGD
+             leaves Q as it was.
     `key` (folded with `step` when given) feeds codecs that draw randomness.
     bucket_bytes: the gradient reduction and the parameter gather send the leaves
              in flat buffers of at most this many bytes (`jcomp.collectives`).
@@ -469,16 +465,14 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
                     gradient units, before the /D), when error feedback is on}).
     A non-finite gradient gives a non-finite grad_norm and update, never a finite one.
     """
-    _check_args(stage, clip_norm, compress)
+    _check_args(stage, clip_norm)
     ef_on, psgd = uses_error_feedback(policy), _powersgd(policy)
     for name, on in (("ef", ef_on), ("psgd_q", psgd is not None)):
         if on != (name in zstate):
             raise ValueError(f"zstate[{name!r}] must be {'present' if on else 'absent'} for "
                              f"policy {policy}; build the state with init_state for this policy")
     check_stage(policy, stage)
-    sent = sent_policy(policy, compress)
-    _check_phase(policy, sent)
-    g_codec, param_codec = sent["data", "grad"], sent["data", "param"]
+    g_codec, param_codec = _sent(policy, grad_codec, param_codec)
     if key is not None and step is not None:
         key = jax.random.fold_in(key, step)
     k_grad, k_param = (None, None) if key is None else tuple(jax.random.split(key))

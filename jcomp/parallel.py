@@ -2,7 +2,8 @@
 
 Everything below runs inside one `jax.shard_map` over all three axes, and
 every collective that carries model data goes through `jcomp.collectives`
-with the codec the policy names for its axis and kind of message.
+with the codec of its message in the plan (`jcomp.messages`); each function
+receives only the messages it sends.
 
 Layout:
   tensor    Megatron: attention heads and MLP hidden units are split; the
@@ -35,7 +36,7 @@ Layout:
   data      The batch is split. Parameters enter the loss cast to 'varying'
             over data, so JAX adds no implicit float32 gradient psum; the
             gradient reduction over data is done explicitly, compressed with
-            policy[data, grad] (`reduce_grads` here, or the ZeRO optimizer).
+            policy[data, grad], by the ZeRO optimizer.
 """
 from __future__ import annotations
 
@@ -53,6 +54,10 @@ from jcomp import model as gpt
 
 DATA, TENSOR, PIPE = "data", "tensor", "pipeline"
 BATCH_SPEC = P(DATA)  # tokens [B, L+1]: rows split over data, replicated elsewhere
+
+
+# The stacked layers' tensor-split dims: the model's own and the autoencoder's.
+_SHARDED_DIMS = {**gpt.TENSOR_SHARDED_DIMS, **autoencoder.TENSOR_SHARDED_DIMS}
 
 
 # ------------------------------------------------------------ layout checks
@@ -81,7 +86,7 @@ def check_layout(cfg: gpt.ModelConfig, mesh_shape: dict, global_batch: int, micr
 def _layer_spec(path, leaf) -> P:
     """Stacked layer leaf [N, ...]: layers over pipeline, the Megatron dim over tensor."""
     key = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
-    dim = gpt.TENSOR_SHARDED_DIMS[key]
+    dim = _SHARDED_DIMS[key]
     spec = [PIPE] + [None] * (leaf.ndim - 1)
     if dim is not None:
         spec[dim + 1] = TENSOR
@@ -114,22 +119,24 @@ def _vocab_range(embed_VtxD):
     return lax.axis_index(TENSOR) * v_local, v_local
 
 
-def embed_lookup(embed_VtxD, tokens_BxL, dtype, pol):
-    """Vocab-parallel lookup: each tensor rank fills its rows, a sum completes them."""
+def embed_lookup(embed_VtxD, tokens_BxL, dtype, embed_sum):
+    """Vocab-parallel lookup: each tensor rank fills its rows, a sum completes them
+    (`embed_sum`, a messages.Message)."""
     start, v_local = _vocab_range(embed_VtxD)
     local_BxL = tokens_BxL - start
     mine_BxL = (local_BxL >= 0) & (local_BxL < v_local)
     rows_BxLxD = gpt.embed(embed_VtxD, jnp.where(mine_BxL, local_BxL, 0), jnp.float32)
     part_BxLxD = jnp.where(mine_BxL[..., None], rows_BxLxD, 0.0).astype(dtype)
-    return cc.psum(part_BxLxD, TENSOR, codec=autoencoder.rest_codec(pol[TENSOR, "act"]))
+    return cc.psum(part_BxLxD, TENSOR, codec=embed_sum.codec)
 
 
-def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, pol):
-    """Final LayerNorm, vocab-parallel logits and exact cross-entropy. -> mean loss (f32)."""
+def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, head_entry_grad):
+    """Final LayerNorm, vocab-parallel logits and exact cross-entropy. -> mean loss (f32).
+    The head's input enters the tensor ranks with `head_entry_grad` backward."""
     final_ln = gpt._final_ln(cfg)
     h_BxLxD = final_ln.apply({"params": params["final_ln"]}, h_BxLxD.astype(jnp.float32))
     h_BxLxD = cc.copy_to_parallel(h_BxLxD.astype(cfg.compute_dtype), TENSOR,
-                                  bwd_codec=autoencoder.rest_codec(pol[TENSOR, "act_grad"]))
+                                  bwd_codec=head_entry_grad.codec)
     w_VtxD = params["embed"] if cfg.tie_embeddings else params["head"]
     logits_BxLxVt = jnp.einsum("bld,vd->blv", h_BxLxD, w_VtxD.astype(cfg.compute_dtype),
                                preferred_element_type=jnp.float32)
@@ -147,15 +154,21 @@ def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, pol):
     return nll_BxL.mean()
 
 
-def _tp_hooks(pol, act_on=True, grad_on=True):
-    # With a learned autoencoder the Block codes the message itself (jcomp.autoencoder)
-    # and the collective moves the code as it is.
-    plain = lambda c: "none" if getattr(c, "kind", None) == "learned" else c
+def _tp_hooks(exit_codec, enter_codec):
+    """(tp_enter, tp_exit, model coders) of one layer. A learned autoencoder codes
+    the message inside the block (jcomp.autoencoder): its collective moves the
+    code as it is."""
+    learned = lambda c: c.kind == "learned"
     enter = functools.partial(cc.copy_to_parallel, axis_name=TENSOR,
-                              bwd_codec=plain(pol[TENSOR, "act_grad"]) if grad_on else "none")
+                              bwd_codec="none" if learned(enter_codec) else enter_codec)
     leave = functools.partial(cc.psum, axis_name=TENSOR,
-                              codec=plain(pol[TENSOR, "act"]) if act_on else "none")
-    return enter, leave
+                              codec="none" if learned(exit_codec) else exit_codec)
+    coders = {}
+    if learned(exit_codec):
+        coders["exit"] = autoencoder.coder("out", exit_codec.dim, exit_codec.init)
+    if learned(enter_codec):
+        coders["enter"] = autoencoder.coder("in", enter_codec.dim, enter_codec.init)
+    return enter, leave, coders
 
 
 def _one_of(stage, stages):
@@ -164,28 +177,24 @@ def _one_of(stage, stages):
     return functools.reduce(jnp.logical_or, [stage == s for s in stages])
 
 
-def _stage_runner(layers, cfg, pol, remat):
-    """fn(x) running this stage's layers, with tensor-parallel compression only in
-    the layers that policy.where(tensor, act | act_grad) selects.
+def _stage_runner(layers, cfg, block_exit, block_entry_grad, remat):
+    """fn(x) running this stage's layers, each layer's tensor-parallel all-reduces
+    with its own codecs (messages.Message block_exit, block_entry_grad).
 
     Stage s holds global layers s*Lp .. s*Lp+Lp-1. Runs of local layers whose
-    choice is the same on every stage run as one scan. Where stages differ, a
+    codecs are the same on every stage run as one scan. Where stages differ, a
     `lax.cond` on the stage index picks the variant: each device runs (and
     sends) only its own, and every tensor group lies within one stage.
     """
     n_stages, stage = lax.axis_size(PIPE), lax.axis_index(PIPE)
     n_local = jax.tree.leaves(layers)[0].shape[0]
-    on = lambda kind, s, j: pol.compresses(TENSOR, kind, layer=s * n_local + j)
-    choice = [tuple((on("act", s, j), on("act_grad", s, j)) for s in range(n_stages))
-              for j in range(n_local)]
-    ae = autoencoder.parts(pol)
+    at = lambda s, j: (block_exit.at(s * n_local + j), block_entry_grad.at(s * n_local + j))
+    choice = [tuple(at(s, j) for s in range(n_stages)) for j in range(n_local)]
 
     def run(variant, seg_layers, x):
-        act_on, grad_on = variant
-        enter, leave = _tp_hooks(pol, act_on, grad_on)
-        use_ae = tuple(p for p, on_ in (("out", act_on), ("in", grad_on)) if p in ae and on_)
+        enter, leave, coders = _tp_hooks(*variant)
         return gpt.apply_layers(seg_layers, x, cfg=cfg, tp_enter=enter, tp_exit=leave,
-                                remat=remat, use_ae=use_ae)
+                                remat=remat, coders=coders)
 
     segments = []  # [(first local layer, end, per-stage variants)]
     for j, c in enumerate(choice):
@@ -210,14 +219,13 @@ def _stage_runner(layers, cfg, pol, remat):
     return run_stage
 
 
-def _send(state_bxLxD, pol, n_stages, stage):
-    """Stage s -> s+1 forward (policy[pipeline, act] where stage s compresses),
-    backward s+1 -> s (policy[pipeline, act_grad] where stage s+1 does). Pairs
-    with different codecs travel in separate ppermutes; each device keeps the one
-    it receives."""
+def _send(state_bxLxD, stage_send, stage_send_grad, n_stages, stage):
+    """Stage s -> s+1 forward (stage_send.at(s)), backward s+1 -> s
+    (stage_send_grad.at(s+1)). Pairs with different codecs travel in separate
+    ppermutes; each device keeps the one it receives."""
     by_codecs = {}
     for s in range(n_stages - 1):
-        fwd_bwd = (pol.codec_at(PIPE, "act", stage=s), pol.codec_at(PIPE, "act_grad", stage=s + 1))
+        fwd_bwd = (stage_send.at(s), stage_send_grad.at(s + 1))
         by_codecs.setdefault(fwd_bwd, []).append((s, s + 1))
     if not by_codecs:  # one stage: nothing moves (zeros, as lax.ppermute gives)
         return lax.ppermute(state_bxLxD, PIPE, [])
@@ -229,21 +237,18 @@ def _send(state_bxLxD, pol, n_stages, stage):
     return out
 
 
-def pipeline_forward(layers, x0_MxbxLxD, cfg, pol, remat):
+def pipeline_forward(layers, x0_MxbxLxD, cfg, plan, remat):
     """GPipe over the pipeline axis. x0 holds the M microbatches (used on stage 0).
 
     -> outputs_MxbxLxD of the last stage, all-reduced over pipeline so that
-    every stage holds them (invariant over pipeline). The all-reduce carries the
-    last stage's output and the backward all-reduce of x0's gradient stage 0's
-    input gradient: they compress where those stages do.
+    every stage holds them (invariant over pipeline): plan.last_stage_sum
+    forward; x0's gradient comes back with plan.first_stage_grad.
     """
     n_stages = lax.axis_size(PIPE)
     stage = lax.axis_index(PIPE)
     n_micro = x0_MxbxLxD.shape[0]
-    pol.check_places(jax.tree.leaves(layers)[0].shape[0] * n_stages, n_stages)
-    run_stage = _stage_runner(layers, cfg, pol, remat)
-    x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE,
-                                     bwd_codec=pol.codec_at(PIPE, "act_grad", stage=0))
+    run_stage = _stage_runner(layers, cfg, plan.block_exit, plan.block_entry_grad, remat)
+    x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE, bwd_codec=plan.first_stage_grad.codec)
 
     def tick(t, state_bxLxD, out_MxbxLxD):
         feed = lax.dynamic_index_in_dim(x0_MxbxLxD, jnp.minimum(t, n_micro - 1), 0, False)
@@ -258,78 +263,56 @@ def pipeline_forward(layers, x0_MxbxLxD, cfg, pol, remat):
 
     def body(carry, t):
         state, out = carry
-        return tick(t, _send(state, pol, n_stages, stage), out), None
+        return tick(t, _send(state, plan.stage_send, plan.stage_send_grad, n_stages, stage),
+                    out), None
 
     out = jnp.zeros_like(x0_MxbxLxD)
     state, out = tick(0, jnp.zeros_like(x0_MxbxLxD[0]), out)
     n_ticks = n_micro + n_stages - 1
     (state, out), _ = lax.scan(body, (state, out), jnp.arange(1, n_ticks))
     last = jnp.where(stage == n_stages - 1, out, jnp.zeros_like(out))
-    return cc.psum(last, PIPE, codec=pol.codec_at(PIPE, "act", stage=n_stages - 1))
+    return cc.psum(last, PIPE, codec=plan.last_stage_sum.codec)
 
 
-def local_loss(params, batch_bxL1, cfg, pol, microbatches: int, remat: bool = False):
-    """Mean next-token loss of this data rank's rows. Runs inside the shard_map."""
+def local_loss(params, batch_bxL1, cfg, plan, microbatches: int, remat: bool = False):
+    """Mean next-token loss of this data rank's rows, sending what `plan` (a
+    messages.Plan) says. Runs inside the shard_map."""
     tokens_bxL, targets_bxL = batch_bxL1[:, :-1], batch_bxL1[:, 1:]
     b, L = tokens_bxL.shape
     if L > cfg.max_seq_len:
         raise ValueError(f"sequence length {L} exceeds model.max_seq_len={cfg.max_seq_len}")
-    x0_bxLxD = embed_lookup(params["embed"], tokens_bxL, cfg.compute_dtype, pol)
+    x0_bxLxD = embed_lookup(params["embed"], tokens_bxL, cfg.compute_dtype, plan.embed_sum)
     x0_MxbxLxD = x0_bxLxD.reshape(microbatches, b // microbatches, L, cfg.d_model)
-    h_MxbxLxD = pipeline_forward(params["layers"], x0_MxbxLxD, cfg, pol, remat)
-    return vocab_parallel_loss(params, h_MxbxLxD.reshape(b, L, cfg.d_model), targets_bxL, cfg, pol)
+    h_MxbxLxD = pipeline_forward(params["layers"], x0_MxbxLxD, cfg, plan, remat)
+    return vocab_parallel_loss(params, h_MxbxLxD.reshape(b, L, cfg.d_model), targets_bxL, cfg,
+                               plan.head_entry_grad)
 
 
-def local_value_and_grad(params, batch_bxL1, cfg, pol, microbatches, remat=False):
+def local_value_and_grad(params, batch_bxL1, cfg, plan, microbatches, remat=False):
     """-> (this rank's loss, this rank's gradients). Gradients vary over 'data':
     no reduction over data has happened yet."""
     params_v = jax.tree.map(lambda x: cc.vary(x, (DATA,)), params)
     # Autoencoder weights that multiply rank-varying values are marked varying over
     # tensor here, so their gradients come out per rank and are summed once per step
-    # below (policy[tensor, grad]) instead of by an implicit float32 psum per use.
-    in_use = [f"_ae_{part}_" for part in autoencoder.parts(pol)]
+    # below (plan.ae_grad_sum) instead of by an implicit float32 psum per use.
+    in_use = [f"_ae_{part}_" for part, msg in (("out", plan.block_exit),
+                                               ("in", plan.block_entry_grad))
+              if any(c.kind == "learned" for c in msg.codecs)]
     ae_names = [n for n in autoencoder.VARYING_OVER_TENSOR
                 if n in params["layers"] and any(u in n for u in in_use)]
     layers = dict(params_v["layers"])
     for n in ae_names:
         layers[n] = cc.vary(layers[n], (TENSOR,))
     params_v = {**params_v, "layers": layers}
-    loss, grads = jax.value_and_grad(local_loss)(params_v, batch_bxL1, cfg, pol, microbatches,
+    loss, grads = jax.value_and_grad(local_loss)(params_v, batch_bxL1, cfg, plan, microbatches,
                                                  remat)
     if ae_names:
-        summed = cc.psum([grads["layers"][n] for n in ae_names], TENSOR, codec=pol[TENSOR, "grad"])
+        summed = cc.psum([grads["layers"][n] for n in ae_names], TENSOR,
+                         codec=plan.ae_grad_sum.codec)
         grads = {**grads, "layers": {**grads["layers"], **dict(zip(ae_names, summed))}}
     return loss, grads
-
-
-def reduce_grads(grads, pol, key=None):
-    """Mean of the gradients over data with policy[data, grad] (no error feedback)."""
-    n = lax.axis_size(DATA)
-    summed = cc.psum(grads, DATA, codec=pol[DATA, "grad"], key=key)
-    return jax.tree.map(lambda g: g / n, summed)
 
 
 def predicted_bubble(n_stages: int, microbatches: int) -> float:
     """GPipe's idle fraction (P - 1) / (M + P - 1)."""
     return (n_stages - 1) / (microbatches + n_stages - 1)
-
-
-def make_loss_and_grad(cfg, mesh, pol, microbatches: int, remat: bool = False):
-    """A jitted fn(params, batch) -> (mean loss, data-mean gradients) over the mesh.
-
-    `params` carry `param_specs` shardings; `batch` is [B, L+1] int32 split over
-    data. The returned gradients have the parameters' shardings.
-    """
-
-    def step(params, batch):
-        specs = param_specs(params)
-
-        def body(params, batch):
-            loss, grads = local_value_and_grad(params, batch, cfg, pol, microbatches, remat)
-            return lax.pmean(loss, DATA), reduce_grads(grads, pol)
-
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, BATCH_SPEC),
-                           out_specs=(P(), specs), check_vma=True)
-        return fn(params, batch)
-
-    return jax.jit(step)

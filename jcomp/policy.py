@@ -36,6 +36,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from jcomp import codecs
+from jcomp.messages import format_indices  # noqa: F401  (policy.format_indices)
 
 AXES = ("data", "tensor", "pipeline")
 KINDS = ("grad", "param", "act", "act_grad")
@@ -188,17 +189,6 @@ def parse_indices(spec, field: str) -> tuple | None:
     if len(set(out)) != len(out):
         raise ValueError(f"{field}={spec!r}: an index is listed twice")
     return tuple(sorted(out))
-
-
-def format_indices(idx) -> str:
-    """(0, 1, 2, 3, 6) -> "0-3,6"."""
-    runs, idx = [], sorted(idx)
-    for i in idx:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 # Where each structured codec may stand (byte codecs fit every message): its

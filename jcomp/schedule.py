@@ -178,13 +178,6 @@ def is_compressed(pol: policy_lib.Policy) -> bool:
     return any(codecs.parse(c).kind != "identity" for _, _, c in pol.table)
 
 
-def describe(pol: policy_lib.Policy) -> str:
-    """The compressed entries, e.g. "data.grad=int8 tensor.act=int8"; "none" if none."""
-    parts = [f"{a}.{k}={_codec_name(c)}{policy_lib.places_str(pol, a, k)}" for a, k, c in pol.table
-             if codecs.parse(c).kind != "identity"]
-    return " ".join(parts) or "none"
-
-
 def changes(old: policy_lib.Policy, new: policy_lib.Policy) -> str:
     """The entries that differ, e.g. "data.grad=none->int8"; "" if none."""
     return " ".join(f"{a}.{k}={_codec_name(c0)}->{_codec_name(c1)}"

@@ -6,7 +6,7 @@
 
 Inside the step: loss and local gradients (`parallel.local_value_and_grad`),
 then the ZeRO update (`optimizer.apply_updates`), which reduces gradients over
-'data' with policy[data, grad] and gathers parameters with policy[data, param].
+'data' and gathers parameters with the plan's grad_reduce and param_gather.
 A non-finite loss or gradient norm drops the whole update (state unchanged,
 `skipped` + 1); the loop decides whether to go on or stop.
 """
@@ -18,7 +18,6 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcomp import codecs as codecs_lib
 from jcomp import collectives as cc
 from jcomp import optimizer, parallel
 
@@ -53,38 +52,36 @@ def _metric_specs(pol):
     return {n: P() for n in names}
 
 
-def _draws_randomness(pol) -> bool:
-    """Whether the optimizer's messages (data.grad, data.param) need a key."""
-    return any(codecs_lib.parse(pol["data", k]).needs_key for k in ("grad", "param"))
+def _draws_randomness(plan) -> bool:
+    """Whether the optimizer's messages (gradient reduction, parameter gather) need a key."""
+    return any(m.codec.needs_key for m in (plan.grad_reduce, plan.param_gather))
 
 
-def make_train_step(model_cfg, mesh, pol, tx, params_shapes, *, microbatches, zero_stage,
-                    clip_norm, remat=False, compress=True, seed=0,
-                    bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
+def make_train_step(model_cfg, mesh, pol, plan, tx, params_shapes, *, microbatches, zero_stage,
+                    clip_norm, remat=False, seed=0, bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
     """A jitted fn(state, batch [B, L+1] int32) -> (state, metrics).
 
-    `pol` lays out the state. `compress` picks what every collective sends:
-    True `pol`'s codecs, False none at all, a Policy (a phase of a
-    `jcomp.schedule`) its own codecs, on `pol`'s state layout. Codecs that draw
-    random numbers (stochastic rounding, rand-k) at data.grad / data.param get
-    the key fold_in(key(seed), optimizer step), folded with each device's index
-    by the collectives: a pure function of the state, so a resumed run draws
-    what the uninterrupted one would. `bucket_bytes` bounds the flat buffers the
-    optimizer's gradient reduction and parameter gather send.
+    `pol` lays out the state; `plan` (jcomp.messages.plan, of `pol` or of a
+    phase of a `jcomp.schedule` on `pol`'s layout) says what every collective
+    sends. Codecs that draw random numbers (stochastic rounding, rand-k) in the
+    gradient reduction or the parameter gather get the key fold_in(key(seed),
+    optimizer step), folded with each device's index by the collectives: a pure
+    function of the state, so a resumed run draws what the uninterrupted one
+    would. `bucket_bytes` bounds the flat buffers those two send.
     """
-    act_pol = optimizer.sent_policy(pol, compress)
     specs = parallel.param_specs(params_shapes)
     sspecs = state_specs(specs, tx, pol)
-    keyed = _draws_randomness(act_pol)
+    keyed = _draws_randomness(plan)
 
     def body(state, batch):
         params = state["params"]
-        loss, grads = parallel.local_value_and_grad(params, batch, model_cfg, act_pol,
+        loss, grads = parallel.local_value_and_grad(params, batch, model_cfg, plan,
                                                     microbatches, remat)
         count = optimizer.step_count(state["zero"]) if keyed else None
         new_params, new_zero, stats = optimizer.apply_updates(
             grads, params, state["zero"], tx=tx, policy=pol, param_specs=specs,
-            stage=zero_stage, clip_norm=clip_norm, compress=compress, step=count,
+            stage=zero_stage, clip_norm=clip_norm, grad_codec=plan.grad_reduce.codec,
+            param_codec=plan.param_gather.codec, step=count,
             key=jax.random.key(seed) if keyed else None, bucket_bytes=bucket_bytes)
         loss = lax.pmean(loss, DATA)
         finite = jnp.isfinite(loss) & jnp.isfinite(stats["grad_norm"])
@@ -101,12 +98,13 @@ def make_train_step(model_cfg, mesh, pol, tx, params_shapes, *, microbatches, ze
     return jax.jit(fn, donate_argnums=0)
 
 
-def make_eval_step(model_cfg, mesh, pol, params_shapes, *, microbatches):
-    """A jitted fn(params, batch) -> mean loss over the batch (same compression as training)."""
+def make_eval_step(model_cfg, mesh, plan, params_shapes, *, microbatches):
+    """A jitted fn(params, batch) -> mean loss over the batch, sending the
+    forward messages of `plan` (the same compression as training)."""
     specs = parallel.param_specs(params_shapes)
 
     def body(params, batch):
-        return lax.pmean(parallel.local_loss(params, batch, model_cfg, pol, microbatches), DATA)
+        return lax.pmean(parallel.local_loss(params, batch, model_cfg, plan, microbatches), DATA)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, parallel.BATCH_SPEC),
                                  out_specs=P(), check_vma=True))

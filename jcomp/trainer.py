@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jcomp import autoencoder, checkpoint, data, faults, optimizer, parallel, step, wire
+from jcomp import autoencoder, checkpoint, data, faults, messages, optimizer, parallel, step, wire
 from jcomp import mesh as mesh_lib
 from jcomp import metrics as metrics_lib
 from jcomp import model as gpt
@@ -401,10 +401,8 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, locks: list) -> dict:
     tx = make_tx(cfg)
     corpus, train_ds, val = load_data(cfg, model_cfg)
     mesh = mesh_lib.make_mesh(shape)
-    ae_dims = autoencoder.dims(pol)
     init_params = functools.partial(gpt.init_params, model_cfg, jax.random.key(cfg.seed),
-                                    ae_out_dim=ae_dims["out_dim"], ae_in_dim=ae_dims["in_dim"],
-                                    ae_init=ae_dims["init"])
+                                    coders=autoencoder.coders(pol))
     shapes = jax.eval_shape(init_params)
     fingerprint = _fingerprint(cfg, model_cfg, shape, pol)
 
@@ -448,19 +446,21 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, locks: list) -> dict:
                   clip_norm=float(cfg.optim.clip_norm), remat=cfg.train.remat, seed=cfg.seed,
                   bucket_bytes=max(int(cfg.compression.bucket_mib * 2**20), 1))
     phases = build_phases(cfg.compression)
+    plans = {phase: messages.plan(phase, model_cfg.n_layers, dict(mesh.shape))
+             for _, phase in phases}
     compiled, evals = {}, {}
 
     def compiled_step(phase, state, batch):
         # Compiled when first reached: a phase the run never gets to costs nothing.
         if phase not in compiled:
-            fn = step.make_train_step(model_cfg, mesh, pol, tx, shapes, compress=phase, **common)
+            fn = step.make_train_step(model_cfg, mesh, pol, plans[phase], tx, shapes, **common)
             exe = fn.lower(state, batch).compile()
             compiled[phase] = (exe, wire.measure_compiled(exe, mesh))
         return compiled[phase]
 
     def val_loss(phase, params):
         if phase not in evals:
-            evals[phase] = step.make_eval_step(model_cfg, mesh, phase, shapes,
+            evals[phase] = step.make_eval_step(model_cfg, mesh, plans[phase], shapes,
                                                microbatches=cfg.train.microbatches)
         return float(np.mean([float(evals[phase](params, _global_batch(
             mesh, b, cfg.train.batch_size))) for b in val]))
@@ -536,7 +536,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, locks: list) -> dict:
                                  done, record["ef_norm"], cfg.train.ef_reset_norm)
             if logged_variant != phase:
                 record.update(_static_metrics(report, state))
-                record["compression"] = schedule_lib.describe(phase)
+                record["compression"] = plans[phase].describe()
                 if logged_variant is not None:
                     record["compression_changes"] = schedule_lib.changes(logged_variant, phase)
                     _log.info("step %d: compression schedule: %s", done,

@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import loss_and_grad
 from jcomp import autoencoder, codecs
 from jcomp import collectives as cc
 from jcomp import mesh as jmesh
@@ -76,14 +77,18 @@ def test_dims_and_orthogonal_init():
 def reference():
     """Parameters with trained-looking (non-projection) autoencoders, and the
     single-device loss and gradients of the same bottlenecked model."""
-    params = gpt.init_params(CFG, jax.random.key(0), ae_out_dim=A, ae_in_dim=A, ae_init="normal")
+    normal = policy.preset("baseline").replace({"tensor.act": f"ae:dim={A}:init=normal",
+                                                "tensor.act_grad": f"ae:dim={A}:init=normal"})
+    coders = autoencoder.coders(normal)
+    params = gpt.init_params(CFG, jax.random.key(0), coders=coders)
     batch = jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, CFG.vocab_size)
-    loss, grads = jax.jit(jax.value_and_grad(gpt.loss_fn), static_argnums=2)(params, batch, CFG)
+    loss_fn = functools.partial(gpt.loss_fn, cfg=CFG, coders=coders)
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
     return params, batch, loss, grads
 
 
 def _run(mesh, pol, params, batch):
-    fn = parallel.make_loss_and_grad(CFG, mesh, pol, microbatches=2)
+    fn = loss_and_grad.make_loss_and_grad(CFG, mesh, pol, microbatches=2)
     placed = (parallel.shard_params(params, mesh),
               jax.device_put(batch, NamedSharding(mesh, parallel.BATCH_SPEC)))
     return fn, placed
@@ -120,6 +125,20 @@ def test_weights_present_but_not_in_the_policy_are_skipped(reference):
     assert all(not np.any(grads["layers"][n]) for n in params["layers"] if "_ae_" in n)
 
 
+def test_autoencoder_parameters_have_partition_dims():
+    """Every Block parameter the autoencoder's coders create has a tensor-split
+    entry (replicated), so parallel.param_specs can lay it out; without coders
+    the model creates none of them."""
+    keys = lambda layers: {tuple(getattr(k, "key", k) for k in p)
+                           for p, _ in jax.tree_util.tree_leaves_with_path(layers)}
+    with_ae = gpt.init_params(CFG, jax.random.key(0), coders=autoencoder.coders(AE_POLICY))
+    plain = gpt.init_params(CFG, jax.random.key(0))
+    assert keys(plain["layers"]) == set(gpt.TENSOR_SHARDED_DIMS)
+    assert keys(with_ae["layers"]) == set(gpt.TENSOR_SHARDED_DIMS) | set(
+        autoencoder.TENSOR_SHARDED_DIMS)
+    assert all(v is None for v in autoencoder.TENSOR_SHARDED_DIMS.values())
+
+
 def test_tensor_traffic_of_the_blocks_shrinks_to_dim_over_d_model():
     """Forward and backward through the layers alone on the tensor axis: every
     all-reduce carries A instead of D numbers per token, so the bytes are A/D."""
@@ -128,14 +147,16 @@ def test_tensor_traffic_of_the_blocks_shrinks_to_dim_over_d_model():
                           max_seq_len=16)
     x = jax.random.normal(jax.random.key(2), (4, SEQ, cfg.d_model))
 
-    def traffic(pol, **ae):
-        layers = gpt.init_params(cfg, jax.random.key(0), **ae)["layers"]
+    def traffic(pol):
+        layers = gpt.init_params(cfg, jax.random.key(0), coders=autoencoder.coders(pol))["layers"]
         specs = jax.tree_util.tree_map_with_path(parallel._layer_spec, layers)
         specs = jax.tree.map(lambda s: P(None, *s[1:]), specs)  # no pipeline axis here
-        enter, leave = parallel._tp_hooks(pol)
+        enter, leave, coders = parallel._tp_hooks(codecs.parse(pol["tensor", "act"]),
+                                                  codecs.parse(pol["tensor", "act_grad"]))
 
         def body(layers, x):
-            f = functools.partial(gpt.apply_layers, cfg=cfg, tp_enter=enter, tp_exit=leave)
+            f = functools.partial(gpt.apply_layers, cfg=cfg, tp_enter=enter, tp_exit=leave,
+                                  coders=coders)
             return jax.grad(lambda x: f(layers, x).sum())(x)
 
         fn = jax.jit(jax.shard_map(body, mesh=m, in_specs=(specs, P()), out_specs=P()))
@@ -143,7 +164,7 @@ def test_tensor_traffic_of_the_blocks_shrinks_to_dim_over_d_model():
         return wire.measure(fn, placed, x, mesh=m).by_axis()["tensor"]
 
     base = traffic(policy.preset("baseline"))
-    coded = traffic(AE_POLICY, ae_out_dim=A, ae_in_dim=A)
+    coded = traffic(AE_POLICY)
     assert base > 0 and coded == base * A // cfg.d_model, (coded, base)
 
 
@@ -168,7 +189,7 @@ def test_training_checkpoints_and_restores_the_autoencoder(tmp_path):
 
     model_cfg, shape, pol = trainer.validate(cfg, jax.device_count())
     mesh = jmesh.make_mesh(shape)
-    init = gpt.init_params(model_cfg, jax.random.key(cfg.seed), ae_out_dim=8, ae_in_dim=8)
+    init = gpt.init_params(model_cfg, jax.random.key(cfg.seed), coders=autoencoder.coders(pol))
     abstract = step.abstract_state(jax.eval_shape(lambda: init), mesh, trainer.make_tx(cfg), pol)
     ckpt_dir = os.path.join(workdir, "checkpoints")
     with checkpoint.Checkpointer(ckpt_dir, save_every=2, keep=3) as ck:

@@ -128,11 +128,7 @@ def test_layers_get_distinct_init_and_scaled_output_projections(params):
 
 def test_tensor_sharded_dims_cover_block_params(params):
     paths = {_path_keys(p) for p, _ in jax.tree_util.tree_leaves_with_path(params["layers"])}
-    ae = {k for k in M.TENSOR_SHARDED_DIMS if "_ae_" in k[0]}
-    assert paths == set(M.TENSOR_SHARDED_DIMS) - ae
-    with_ae = M.init_params(CFG, jax.random.key(0), ae_out_dim=4, ae_in_dim=4)["layers"]
-    assert {_path_keys(p) for p, _ in jax.tree_util.tree_leaves_with_path(with_ae)} == set(
-        M.TENSOR_SHARDED_DIMS)
+    assert paths == set(M.TENSOR_SHARDED_DIMS)
     # A Block built for a rank's share has exactly the shapes of a rank's slice.
     for T in (2, 4):
         local = M.make_block(CFG, CFG.n_heads // T, CFG.d_ff // T)

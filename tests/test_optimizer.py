@@ -80,6 +80,8 @@ def _local_loss(params, x_BxI):
 
 @functools.lru_cache(maxsize=None)  # one compiled program per variant for the whole module
 def _step_fn(mesh, tx, pol, stage, clip=CLIP, compress=True):
+    # compress=False: send "none" on pol's state layout.
+    codecs_ = {} if compress else dict(grad_codec="none", param_codec="none")
     specs = opt.state_specs(PARAM_SPECS, tx, pol)
 
     def body(params, zstate, x_BxI):
@@ -87,7 +89,7 @@ def _step_fn(mesh, tx, pol, stage, clip=CLIP, compress=True):
         loss, grads = jax.value_and_grad(_local_loss)(varying, x_BxI)
         new_p, new_z, stats = opt.apply_updates(
             grads, params, zstate, tx=tx, policy=pol, param_specs=PARAM_SPECS, stage=stage,
-            clip_norm=clip, compress=compress)
+            clip_norm=clip, **codecs_)
         return new_p, new_z, stats, lax.pmean(loss, "data")
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(PARAM_SPECS, specs, P("data")),

@@ -6,6 +6,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 
+import loss_and_grad
 from jcomp import mesh as jmesh
 from jcomp import model as gpt
 from jcomp import parallel, policy, wire
@@ -42,7 +43,7 @@ def _rel(a, b):
 def test_baseline_matches_single_device_loss_and_gradients(reference, shape):
     params, batch, ref_loss, ref_grads = reference
     m = _mesh(shape)
-    fn = parallel.make_loss_and_grad(CFG, m, policy.preset("baseline"), microbatches=2)
+    fn = loss_and_grad.make_loss_and_grad(CFG, m, policy.preset("baseline"), microbatches=2)
     loss, grads = fn(*_place(m, params, batch))
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for path, g, r in zip(jax.tree_util.tree_leaves_with_path(grads),
@@ -52,7 +53,7 @@ def test_baseline_matches_single_device_loss_and_gradients(reference, shape):
 
 
 def _compiled_report(m, pol, params, batch, microbatches=2):
-    fn = parallel.make_loss_and_grad(CFG, m, pol, microbatches)
+    fn = loss_and_grad.make_loss_and_grad(CFG, m, pol, microbatches)
     return wire.measure(fn, *_place(m, params, batch), mesh=m)
 
 
@@ -101,7 +102,7 @@ def test_compressed_training_tracks_baseline(reference):
                                              for k in ("act", "act_grad")})
 
     def train(pol, steps=6):
-        fn = parallel.make_loss_and_grad(CFG, m, pol, microbatches=2)
+        fn = loss_and_grad.make_loss_and_grad(CFG, m, pol, microbatches=2)
         p, b = _place(m, params, batch)
         tx = optax.adam(3e-3)
         opt = tx.init(p)
@@ -158,7 +159,7 @@ def test_predicted_bubble():
 def _loss_and_grads(pol, shape, reference, remat=False):
     params, batch, _, _ = reference
     m = _mesh(shape)
-    fn = parallel.make_loss_and_grad(CFG, m, pol, microbatches=2, remat=remat)
+    fn = loss_and_grad.make_loss_and_grad(CFG, m, pol, microbatches=2, remat=remat)
     loss, grads = fn(*_place(m, params, batch))
     return float(loss), jax.tree.leaves(grads)
 

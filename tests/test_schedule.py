@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jcomp import codecs, optimizer
+from jcomp import codecs, messages, optimizer
 from jcomp import policy as jpolicy
 from jcomp import schedule
 
@@ -111,7 +111,6 @@ def test_phases_skip_changes_that_change_nothing():
     assert [codec(schedule.phase_at(phases, i), "data.grad") for i in (0, 2, 3, 6, 7, 99)] == \
         ["none", "none", "int8", "int8", "int4", "int4"]
     assert schedule.changes(phases[0][1], phases[1][1]) == "data.grad=none->int8"
-    assert schedule.describe(jpolicy.preset("baseline")) == "none"
     assert not schedule.is_compressed(jpolicy.preset("baseline"))
     assert schedule.is_compressed(phases[1][1])
 
@@ -122,10 +121,9 @@ def test_apply_updates_refuses_a_phase_powersgd_the_state_was_not_built_for():
     zstate = {"master": {}, "opt": (), "psgd_q": {}}
     kw = dict(tx=None, policy=layout, param_specs={}, stage=1)
     with pytest.raises(ValueError, match="PowerSGD state"):
-        optimizer.apply_updates({}, {}, zstate, compress=layout.replace(
-            {"data.grad": "powersgd:rank=4"}), **kw)
-    with pytest.raises(TypeError, match="compress"):
-        optimizer.apply_updates({}, {}, zstate, compress="int8", **kw)
+        optimizer.apply_updates({}, {}, zstate, grad_codec="powersgd:rank=4", **kw)
+    with pytest.raises(ValueError, match="param_codec"):
+        optimizer.apply_updates({}, {}, zstate, param_codec="powersgd:rank=2", **kw)
 
 
 @pytest.mark.parametrize("override,field,why", [
@@ -218,7 +216,9 @@ def test_collectives_stay_uncompressed_until_each_entry_starts(runs):
 def test_each_phase_is_named_in_metrics_and_the_log_on_its_first_step(runs):
     _, rec, lines, _ = runs
     assert [rec[s].get("compression") for s in (1, 2, 3)] == [
-        "none", "data.grad=bf16", "data.grad=bf16 tensor.act=int8[layers 1]"]
+        "none", "data.grad_reduce=bf16",
+        # The embedding's all-reduce reads tensor.act too, in every layer selection.
+        "data.grad_reduce=bf16 tensor.embed_sum=int8 tensor.block_exit=int8[layers 1]"]
     assert [rec[s].get("compression_changes") for s in (1, 2, 3)] == [
         None, "data.grad=none->bf16", "tensor.act=none->int8"]
     assert [rec[s]["compressed"] for s in (1, 2, 3)] == [False, True, True]
@@ -264,8 +264,9 @@ def test_an_uncompressed_phase_flushes_residuals_into_the_sum():
     state = step.init_state(params, mesh, tx, HYBRID)
     state["zero"]["ef"] = jax.tree.map(lambda r: r + 0.5, state["zero"]["ef"])
     phase = schedule.policy_at(HYBRID, schedule.parse({"data.grad": "@5"}), 0)
-    fn = step.make_train_step(model_cfg, mesh, HYBRID, tx, shapes, microbatches=2,
-                              zero_stage=1, clip_norm=1.0, compress=phase)
+    plan = messages.plan(phase, model_cfg.n_layers, dict(mesh.shape))
+    fn = step.make_train_step(model_cfg, mesh, HYBRID, plan, tx, shapes, microbatches=2,
+                              zero_stage=1, clip_norm=1.0)
     rows = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (8, 33), np.int32)
     batch = jax.device_put(rows, NamedSharding(mesh, parallel.BATCH_SPEC))
     new, m = fn(state, batch)

@@ -47,7 +47,7 @@ def _compiled_report(pol_name, **kw):
     from configs import tiny
     from jcomp import mesh as jmesh
     from jcomp import model as gpt
-    from jcomp import optimizer, parallel, step, wire
+    from jcomp import messages, optimizer, parallel, step, wire
     from jcomp import policy as policy_lib
 
     cfg = tiny.get_config()
@@ -62,8 +62,9 @@ def _compiled_report(pol_name, **kw):
                          state, step.abstract_state(shapes, mesh, tx, pol))
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32,
                                  sharding=NamedSharding(mesh, parallel.BATCH_SPEC))
-    fn = step.make_train_step(model_cfg, mesh, pol, tx, shapes, microbatches=2, zero_stage=1,
-                              clip_norm=1.0, **kw)
+    plan = messages.plan(pol, model_cfg.n_layers, dict(mesh.shape))
+    fn = step.make_train_step(model_cfg, mesh, pol, plan, tx, shapes, microbatches=2,
+                              zero_stage=1, clip_norm=1.0, **kw)
     return wire.measure_compiled(fn.lower(state, batch).compile(), mesh)
 
 
