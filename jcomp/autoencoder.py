@@ -38,10 +38,10 @@ from jcomp.codecs import structured
 SUBBLOCKS = ("attn", "mlp")
 # The Block parameters whose gradient differs per tensor rank (see the docstring).
 VARYING_OVER_TENSOR = tuple(f"{s}_ae_{p}" for s in SUBBLOCKS for p in ("out_enc", "in_dec"))
-# Their partition: replicated over tensor ranks (jcomp.parallel reads it beside
-# the model's own TENSOR_SHARDED_DIMS).
-TENSOR_SHARDED_DIMS = {(f"{s}_ae_{p}",): None for s in SUBBLOCKS
-                       for p in ("out_enc", "out_dec", "in_enc", "in_dec")}
+# Their logical axes (jcomp.model.PARAM_AXES): enc [D, A], dec [A, D]; "code"
+# is no split axis, so every tensor rank holds them whole.
+PARAM_AXES = {(f"{s}_ae_{p}_{w}",): ("embed", "code") if w == "enc" else ("code", "embed")
+              for s in SUBBLOCKS for p in ("out", "in") for w in ("enc", "dec")}
 # The spec lives with the other codecs' (jcomp.codecs.structured).
 Autoencoder, parse, VALID_FORM = structured.Autoencoder, structured.parse_ae, structured.AE_FORM
 

@@ -1,13 +1,13 @@
 """Decoder-only GPT (GPT-NeoX-like): pre-LayerNorm blocks, causal attention
 with rotary position embeddings, GELU MLP, tied or untied embeddings.
 
-Shapes: B batch, L sequence, D d_model, H heads, K head_dim, F MLP hidden,
+Shapes (jcomp's legend): B batch, L sequence, D d_model, H heads, K head_dim, F MLP hidden,
 V vocab, N layers. Master parameters are float32; matmuls run in the compute
 dtype; LayerNorm statistics, softmax, RoPE and the loss run in float32.
 
 Block parameter layout (one layer; `init_params` stacks N of them on a new
-leading axis). The dim in brackets is the one split across tensor ranks,
-recorded in `TENSOR_SHARDED_DIMS`:
+leading axis). The dim in brackets is the one split across tensor ranks;
+`PARAM_AXES` names every dim (heads, mlp and vocab are the split ones):
 
     ln1/scale [D], ln1/bias [D]
     qkv/kernel [D, 3, H, K] (2)       qkv/bias [3, H, K] (1)     column-parallel
@@ -43,21 +43,25 @@ import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-# Block parameter path -> dim split across tensor ranks (None: replicated).
-TENSOR_SHARDED_DIMS = {
-    ("ln1", "scale"): None,
-    ("ln1", "bias"): None,
-    ("qkv", "kernel"): 2,
-    ("qkv", "bias"): 1,
-    ("attn_out", "kernel"): 0,
-    ("attn_out_bias",): None,
-    ("ln2", "scale"): None,
-    ("ln2", "bias"): None,
-    ("mlp_in", "kernel"): 1,
-    ("mlp_in", "bias"): 0,
-    ("mlp_out", "kernel"): 0,
-    ("mlp_out_bias",): None,
+# Logical axes of each Block parameter (one layer), in the letters' names
+# (D embed, H heads, K head_dim, F mlp; qkv: the 3 of q, k, v). A layout maps
+# them to mesh axes (jcomp.parallel.AXIS_RULES); Megatron splits TENSOR_SPLIT.
+PARAM_AXES = {
+    ("ln1", "scale"): ("embed",),
+    ("ln1", "bias"): ("embed",),
+    ("qkv", "kernel"): ("embed", "qkv", "heads", "head_dim"),
+    ("qkv", "bias"): ("qkv", "heads", "head_dim"),
+    ("attn_out", "kernel"): ("heads", "head_dim", "embed"),
+    ("attn_out_bias",): ("embed",),
+    ("ln2", "scale"): ("embed",),
+    ("ln2", "bias"): ("embed",),
+    ("mlp_in", "kernel"): ("embed", "mlp"),
+    ("mlp_in", "bias"): ("mlp",),
+    ("mlp_out", "kernel"): ("mlp", "embed"),
+    ("mlp_out_bias",): ("embed",),
 }
+EMBED_AXES = ("vocab", "embed")  # the embedding [V, D], and an untied head
+TENSOR_SPLIT = ("heads", "mlp", "vocab")
 
 
 def _identity(x):

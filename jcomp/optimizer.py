@@ -4,46 +4,45 @@ compressed parameter gathers.
 Working parameters are sharded over 'tensor'/'pipeline' as their PartitionSpecs
 say and replicated over 'data'. Everything the optimizer keeps is split once
 more over 'data' (ZeRO): each leaf's local (tensor/pipeline) block is flattened
-to length L and zero-padded to D*c, with
+to length S and zero-padded to d*c, with
 
-    c = ceil(L / D) rounded up to `layout_multiple(policy)`
+    c = ceil(S / d) rounded up to `layout_multiple(policy)`
 
 (the codecs' row length, so no codec pads again); data rank r owns elements
 [r*c, (r+1)*c). Outside `shard_map` the state is a dict of global arrays
 
-    "master"  float32 master-parameter shards  (D, T', P', c)
-    "opt"     the optax state of those shards   (D, T', P', c) per moment, scalars P()
-    "ef"      error-feedback residuals          (D, T', P', D*c), only when
+    "master"  float32 master-parameter shards  (d, t', p', c)
+    "opt"     the optax state of those shards   (d, t', p', c) per moment, scalars P()
+    "ef"      error-feedback residuals          (d, t', p', d*c), only when
               `uses_error_feedback(policy)`
-    "psgd_q"  PowerSGD right factors Q          (T', P', n, R), only when
+    "psgd_q"  PowerSGD right factors Q          (t', p', n, R), only when
               policy["data", "grad"] is a `powersgd.PowerSGD`: float32, one
               per tensor/pipeline block (n = its last dim, R = the rank),
               replicated over 'data'
 
-with T' = T if the leaf is sharded over 'tensor' else 1 (P' likewise), laid out
-by `zero_spec`: inside `shard_map` a block is (1, 1, 1, c) ((1, 1, 1, D*c) for
-"ef"). The residual is
-per-device state: each data rank keeps what its own full-length contribution
-[D*c] still owes the sum, for stage 1 and stage 2 alike. The layout depends on
-(D, T, P) and the policy's codecs; a checkpoint restores onto the same layout.
+with t' = t if the leaf is sharded over 'tensor' else 1 (p' likewise; d, t, p:
+the mesh's axis sizes), laid out by `zero_spec`: inside `shard_map` a block is
+(1, 1, 1, c) ((1, 1, 1, d*c) for "ef"). The residual is per-device state: each data rank keeps what its own full-length contribution
+[d*c] still owes the sum, for stage 1 and stage 2 alike. The layout depends on
+(d, t, p) and the policy's codecs; a checkpoint restores onto the same layout.
 
 With a PowerSGD gradient policy, step 1 below is instead `powersgd.reduce` of
 each leaf's local block (stage 1 only: its factors are all-reduced, so every
 rank gets the whole rank-R mean, of which it keeps slice r); its residual
-lives in the first L entries of the leaf's "ef" buffer.
+lives in the first S entries of the leaf's "ef" buffer.
 
 One step, inside the train step's `shard_map` (`apply_updates`):
-  1. reduce the local gradients over 'data': reduce-scatter the padded [D*c]
+  1. reduce the local gradients over 'data': reduce-scatter the padded [d*c]
      buffers (`cc.psum_scatter`, all leaves bucketed into a few messages) so
      rank r receives slice r, at stage 1 and 2 alike (an all-reduce would send
-     twice the bytes for the same update); with `policy["data", "grad"]` and
-     error feedback when the policy asks for it; divide by D (each rank's loss
-     is the mean over its own rows, so the global mean is the mean of the D);
+     twice the bytes for the same update); with the plan's grad_reduce codec
+     (`grad_codec`) and error feedback when the policy asks for it; divide by d (each rank's loss
+     is the mean over its own rows, so the global mean is the mean of the d);
   2. clip by the global norm: each leaf's squares are summed over 'data' and
      the axes its spec splits it over, so a replicated leaf counts once
      (optax.clip_by_global_norm would see only the local shard);
   3. optax update of the (1, 1, 1, c) shards, applied to the float32 master;
-  4. all-gather the master over 'data' with `policy["data", "param"]`,
+  4. all-gather the master over 'data' with the plan's param_gather codec,
      un-pad and cast: the new working params, invariant over 'data'. With a
      lossy param codec they are the decoded master (ZeRO++ qwZ); the float32
      master itself never passes through a codec.
@@ -51,6 +50,11 @@ One step, inside the train step's `shard_map` (`apply_updates`):
 The optimizer must be elementwise (Adam, decoupled weight decay, schedules):
 it sees flat shards, not parameter shapes. The weight-decay mask is computed
 from the full parameters beforehand (`decay_mask`).
+
+At about 500 lines this module is one concept on purpose: the ZeRO layout
+(shard lengths, specs, initial state) exists for the update that reads it,
+and splitting them would put the layout's invariants and their one user in
+two places.
 """
 from __future__ import annotations
 

@@ -56,8 +56,10 @@ DATA, TENSOR, PIPE = "data", "tensor", "pipeline"
 BATCH_SPEC = P(DATA)  # tokens [B, L+1]: rows split over data, replicated elsewhere
 
 
-# The stacked layers' tensor-split dims: the model's own and the autoencoder's.
-_SHARDED_DIMS = {**gpt.TENSOR_SHARDED_DIMS, **autoencoder.TENSOR_SHARDED_DIMS}
+# Logical axis (jcomp.model.PARAM_AXES) -> the mesh axis it is split over; the
+# others are replicated. Stacked layers lead with "layers".
+AXIS_RULES = {"layers": PIPE, **{a: TENSOR for a in gpt.TENSOR_SPLIT}}
+_PARAM_AXES = {**gpt.PARAM_AXES, **autoencoder.PARAM_AXES}
 
 
 # ------------------------------------------------------------ layout checks
@@ -83,25 +85,30 @@ def check_layout(cfg: gpt.ModelConfig, mesh_shape: dict, global_batch: int, micr
 
 # --------------------------------------------------------- partition specs
 
+def spec_of(logical_axes) -> P:
+    """("layers", "embed", "mlp") -> P("pipeline", None, "tensor")."""
+    return P(*(AXIS_RULES.get(a) for a in logical_axes))
+
+
 def _layer_spec(path, leaf) -> P:
     """Stacked layer leaf [N, ...]: layers over pipeline, the Megatron dim over tensor."""
     key = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
-    dim = _SHARDED_DIMS[key]
-    spec = [PIPE] + [None] * (leaf.ndim - 1)
-    if dim is not None:
-        spec[dim + 1] = TENSOR
-    return P(*spec)
+    axes = ("layers",) + _PARAM_AXES[key]
+    if len(axes) != leaf.ndim:
+        raise ValueError(f"layer parameter {'/'.join(map(str, key))} has shape {leaf.shape}; "
+                         f"its logical axes are {axes}")
+    return spec_of(axes)
 
 
 def param_specs(params) -> dict:
     """PartitionSpecs of the global parameter tree (see the module docstring)."""
     specs = {
-        "embed": P(TENSOR, None),
+        "embed": spec_of(gpt.EMBED_AXES),
         "layers": jax.tree_util.tree_map_with_path(_layer_spec, params["layers"]),
         "final_ln": jax.tree.map(lambda _: P(), params["final_ln"]),
     }
     if "head" in params:
-        specs["head"] = P(TENSOR, None)
+        specs["head"] = spec_of(gpt.EMBED_AXES)
     return specs
 
 

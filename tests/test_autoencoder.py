@@ -126,17 +126,17 @@ def test_weights_present_but_not_in_the_policy_are_skipped(reference):
 
 
 def test_autoencoder_parameters_have_partition_dims():
-    """Every Block parameter the autoencoder's coders create has a tensor-split
-    entry (replicated), so parallel.param_specs can lay it out; without coders
-    the model creates none of them."""
+    """Every Block parameter the autoencoder's coders create has logical axes,
+    none of them split (each tensor rank holds it whole), so parallel.param_specs
+    lays it out; without coders the model creates none of them."""
     keys = lambda layers: {tuple(getattr(k, "key", k) for k in p)
                            for p, _ in jax.tree_util.tree_leaves_with_path(layers)}
     with_ae = gpt.init_params(CFG, jax.random.key(0), coders=autoencoder.coders(AE_POLICY))
     plain = gpt.init_params(CFG, jax.random.key(0))
-    assert keys(plain["layers"]) == set(gpt.TENSOR_SHARDED_DIMS)
-    assert keys(with_ae["layers"]) == set(gpt.TENSOR_SHARDED_DIMS) | set(
-        autoencoder.TENSOR_SHARDED_DIMS)
-    assert all(v is None for v in autoencoder.TENSOR_SHARDED_DIMS.values())
+    assert keys(plain["layers"]) == set(gpt.PARAM_AXES)
+    assert keys(with_ae["layers"]) == set(gpt.PARAM_AXES) | set(autoencoder.PARAM_AXES)
+    specs = parallel.param_specs(with_ae)["layers"]
+    assert all(tuple(specs[k[0]]) == ("pipeline", None, None) for k in autoencoder.PARAM_AXES)
 
 
 def test_tensor_traffic_of_the_blocks_shrinks_to_dim_over_d_model():

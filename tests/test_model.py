@@ -42,13 +42,21 @@ def _path_keys(path):
     return tuple(k.key for k in path)
 
 
+def _tensor_dim(path):
+    """The dim of a Block parameter Megatron splits across tensor ranks, or None."""
+    axes = M.PARAM_AXES[_path_keys(path)]
+    split = [i for i, a in enumerate(axes) if a in M.TENSOR_SPLIT]
+    assert len(split) <= 1, axes
+    return split[0] if split else None
+
+
 def split_for_tensor_ranks(block_params, T, layer_axis=False):
     """Stacks T rank slices on a new leading axis, cutting each leaf along its
-    TENSOR_SHARDED_DIMS entry and copying replicated leaves."""
+    split dim (PARAM_AXES) and copying replicated leaves."""
     shift = 1 if layer_axis else 0
 
     def split(path, x):
-        dim = M.TENSOR_SHARDED_DIMS[_path_keys(path)]
+        dim = _tensor_dim(path)
         if dim is None:
             return jnp.broadcast_to(x, (T,) + x.shape)
         return jnp.stack(jnp.split(x, T, axis=dim + shift))
@@ -128,7 +136,9 @@ def test_layers_get_distinct_init_and_scaled_output_projections(params):
 
 def test_tensor_sharded_dims_cover_block_params(params):
     paths = {_path_keys(p) for p, _ in jax.tree_util.tree_leaves_with_path(params["layers"])}
-    assert paths == set(M.TENSOR_SHARDED_DIMS)
+    assert paths == set(M.PARAM_AXES)
+    assert all(len(M.PARAM_AXES[_path_keys(p)]) == x.ndim - 1  # - 1: the stacked layer axis
+               for p, x in jax.tree_util.tree_leaves_with_path(params["layers"]))
     # A Block built for a rank's share has exactly the shapes of a rank's slice.
     for T in (2, 4):
         local = M.make_block(CFG, CFG.n_heads // T, CFG.d_ff // T)
@@ -327,7 +337,7 @@ def test_tensor_parallel_layers_match_reference_loss_and_gradients(
 
 def test_layers_inside_shard_map_over_tensor_axis(params):
     """The same code runs per device under jax.shard_map, with parameters
-    sharded by TENSOR_SHARDED_DIMS and tp_exit a psum over 'tensor'."""
+    sharded along their split dim (PARAM_AXES) and tp_exit a psum over 'tensor'."""
     from jax.sharding import PartitionSpec as P
 
     from jcomp.mesh import make_mesh
@@ -335,7 +345,7 @@ def test_layers_inside_shard_map_over_tensor_axis(params):
     mesh = make_mesh({"data": 2, "tensor": 4})
 
     def spec(path, x):
-        dim = M.TENSOR_SHARDED_DIMS[_path_keys(path)]
+        dim = _tensor_dim(path)
         axes = [None] * x.ndim
         if dim is not None:
             axes[dim + 1] = "tensor"  # + 1: the stacked layer axis comes first

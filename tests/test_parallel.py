@@ -132,7 +132,8 @@ def test_parameter_bytes_fall_as_one_over_tensor_times_pipeline(reference, shape
     layers_total = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
     # Layer-wise LayerNorm params and row-parallel biases are replicated over tensor.
     replicated = sum(x.nbytes for k, x in jax.tree_util.tree_leaves_with_path(params["layers"])
-                     if gpt.TENSOR_SHARDED_DIMS[tuple(getattr(e, "key", e) for e in k)] is None)
+                     if not set(gpt.PARAM_AXES[tuple(getattr(e, "key", e) for e in k)]) & set(
+                         gpt.TENSOR_SPLIT))
     assert _bytes_on_device0(placed["layers"]) == (layers_total - replicated) // (t * p) + replicated // p
     # The embedding is split over tensor and replicated over pipeline (see parallel.py).
     assert _bytes_on_device0(placed["embed"]) == params["embed"].nbytes // t

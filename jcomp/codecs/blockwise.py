@@ -1,9 +1,10 @@
 """Block quantizers: int8/int4/int2 (optionally rotated) and fp8, each a float32
 absmax scale per block of the last axis, codes packed into bytes.
 
-Shape letters: R the leading (row) dimensions, C a row's length, NB the blocks
-per row, BL a block's length (the `block` field), P = NB * BL the padded row;
-in packing, G groups of S codes, cut into runs of RUN codes."""
+Shape letters (jcomp's legend): R the leading (row) dimensions, C a row's
+length, NB the blocks per row, BL a block's length (the `block` field),
+PR = NB * BL the padded row; in packing, NG groups of GS codes, cut into runs
+of RUN codes; HB half a block."""
 from __future__ import annotations
 
 import dataclasses
@@ -80,10 +81,10 @@ def _from_blocks(v_RxNBxBL, scale_RxNB, shape, dtype):
     """Multiplies back by the scale in float32, drops padding, casts to `dtype`."""
     rows = _rows_shape(shape)
     x_RxNBxBL = v_RxNBxBL.astype(jnp.float32) * scale_RxNB[..., None]
-    x_RxP = x_RxNBxBL.reshape(*x_RxNBxBL.shape[:-2], -1)
-    if x_RxP.shape[-1] != rows[-1]:
-        x_RxP = x_RxP[..., : rows[-1]]
-    return x_RxP.reshape(shape).astype(dtype)
+    x_RxPR = x_RxNBxBL.reshape(*x_RxNBxBL.shape[:-2], -1)
+    if x_RxPR.shape[-1] != rows[-1]:
+        x_RxPR = x_RxPR[..., : rows[-1]]
+    return x_RxPR.reshape(shape).astype(dtype)
 
 
 # Rotation. A randomized Hadamard transform, H D / sqrt(BL) with D a fixed +-1
@@ -113,8 +114,8 @@ def _fwht(x_RxNBxBL):
     lead = x_RxNBxBL.shape[:-1]
     h = 1
     while h < b:
-        x_RxGx2xH = x_RxNBxBL.reshape(*lead, b // (2 * h), 2, h)
-        lo, hi = x_RxGx2xH[..., 0, :], x_RxGx2xH[..., 1, :]
+        x_RxNGx2xHB = x_RxNBxBL.reshape(*lead, b // (2 * h), 2, h)
+        lo, hi = x_RxNGx2xHB[..., 0, :], x_RxNGx2xHB[..., 1, :]
         x_RxNBxBL = jnp.stack([lo + hi, lo - hi], axis=-2).reshape(*lead, b)
         h *= 2
     return x_RxNBxBL * (1.0 / math.sqrt(b))
@@ -140,9 +141,9 @@ def _groups(u_RxNBxBL, per: int):
     """Codes as (*lead, G, S) groups with S a multiple of `per`."""
     if u_RxNBxBL.shape[-1] % per == 0:
         return u_RxNBxBL
-    u_RxP = u_RxNBxBL.reshape(*u_RxNBxBL.shape[:-2], 1, -1)
-    p = u_RxP.shape[-1]
-    return jnp.pad(u_RxP, [(0, 0)] * (u_RxP.ndim - 1) + [(0, -(-p // per) * per - p)])
+    u_RxPR = u_RxNBxBL.reshape(*u_RxNBxBL.shape[:-2], 1, -1)
+    p = u_RxPR.shape[-1]
+    return jnp.pad(u_RxPR, [(0, 0)] * (u_RxPR.ndim - 1) + [(0, -(-p // per) * per - p)])
 
 
 def _pack(u_RxNBxBL, bits: int):
@@ -151,12 +152,12 @@ def _pack(u_RxNBxBL, bits: int):
     lead = u_RxNBxBL.shape[:-2]
     if per == 1:
         return u_RxNBxBL.reshape(*lead, -1)
-    u_RxGxS = _groups(u_RxNBxBL, per)
-    run = u_RxGxS.shape[-1] // per
-    packed_RxGxRUN = u_RxGxS[..., :run]
+    u_RxNGxGS = _groups(u_RxNBxBL, per)
+    run = u_RxNGxGS.shape[-1] // per
+    packed_RxNGxRUN = u_RxNGxGS[..., :run]
     for k in range(1, per):
-        packed_RxGxRUN = packed_RxGxRUN | (u_RxGxS[..., k * run:(k + 1) * run] << (k * bits))
-    return packed_RxGxRUN.reshape(*lead, -1)
+        packed_RxNGxRUN = packed_RxNGxRUN | (u_RxNGxGS[..., k * run:(k + 1) * run] << (k * bits))
+    return packed_RxNGxRUN.reshape(*lead, -1)
 
 
 def _unpack(b_RxNbytes, bits: int, nb: int, block: int):
@@ -166,13 +167,13 @@ def _unpack(b_RxNbytes, bits: int, nb: int, block: int):
     if per == 1:
         return b_RxNbytes.reshape(*lead, nb, block)
     whole_blocks = block % per == 0  # the groups `_pack` chose
-    b_RxGxRUN = b_RxNbytes.reshape(*lead, nb if whole_blocks else 1, -1)
+    b_RxNGxRUN = b_RxNbytes.reshape(*lead, nb if whole_blocks else 1, -1)
     mask = jnp.uint8(2**bits - 1)
-    runs = [(b_RxGxRUN >> (k * bits)) & mask for k in range(per)]
-    u_RxGxS = jnp.concatenate(runs, axis=-1)
+    runs = [(b_RxNGxRUN >> (k * bits)) & mask for k in range(per)]
+    u_RxNGxGS = jnp.concatenate(runs, axis=-1)
     if whole_blocks:
-        return u_RxGxS
-    return u_RxGxS.reshape(*lead, -1)[..., : nb * block].reshape(*lead, nb, block)
+        return u_RxNGxGS
+    return u_RxNGxGS.reshape(*lead, -1)[..., : nb * block].reshape(*lead, nb, block)
 
 
 @dataclasses.dataclass(frozen=True)

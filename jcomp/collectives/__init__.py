@@ -326,9 +326,9 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
                          "allowed: 'varying', 'invarying'")
     n = lax.axis_size(axes)
 
-    def from_rows(out_NxM, leaf):
+    def from_rows(out_GxM, leaf):
         dim = axis % (leaf.ndim + (0 if tiled else 1))
-        rows = out_NxM.reshape((n,) + leaf.shape)
+        rows = out_GxM.reshape((n,) + leaf.shape)
         return kernels.stack_along(rows, dim, tiled)
 
     if plain:
@@ -371,8 +371,8 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
     def chunks(leaf):
         return kernels.rows_along(leaf, n, split_axis % leaf.ndim, tiled, "all_to_all")
 
-    def from_rows(out_NxM, leaf):
-        rows = out_NxM.reshape(chunks(leaf).shape)
+    def from_rows(out_GxM, leaf):
+        rows = out_GxM.reshape(chunks(leaf).shape)
         return kernels.stack_along(rows, concat_axis % leaf.ndim, tiled)
 
     if plain:

@@ -1,14 +1,14 @@
 """Coded collective kernels on flat rows, and the choice between coded and raw.
 
-Every kernel works on 2-D rows `x_RxM` (R = 1 or the axis size n, M elements
+Every kernel works on 2-D rows `x_RxM` (R = 1 or G, the devices along the axes; M elements
 per row) inside `shard_map`, over `axes` (a tuple of mesh axis names the value
 varies over):
 
   allreduce(x_1xM)       -> (sum 1xM, what this device was sent as 1xM f32)
-  reduce_scatter(x_NxM)  -> (row r of the sum 1xM f32, what was sent NxM f32)
-  gather(x_1xM, to)      -> NxM (row i from device i)
+  reduce_scatter(x_GxM)  -> (row r of the sum 1xM f32, what was sent GxM f32)
+  gather(x_1xM, to)      -> GxM (row i from device i)
   permute(x_1xM, perm)   -> 1xM
-  exchange(x_NxM)        -> NxM (row i from device i)
+  exchange(x_GxM)        -> GxM (row i from device i)
 
 `plan(...)` decides, from static shapes alone, whether the codec sends fewer
 bytes than the uncompressed rows. Where it cannot, the kernel runs the
@@ -255,34 +255,34 @@ def allreduce(x_1xM, axes, codec, key, *, op="psum"):
     payload = encode(fitted, x_flat.reshape(n, c), k1)
     own_C = _sum_rows(fitted, _all_to_all(payload, axes), n, c)
     gathered = _all_gather(encode(fitted, own_C[None], k2), axes, "invarying")
-    total_NxC = decode(fitted, gathered, n, c, jnp.float32)
+    total_GxC = decode(fitted, gathered, n, c, jnp.float32)
     # The owner also re-codes its sum; charging that error to the owner's row keeps
     # "sum of what was sent == total" exact, so error feedback repairs both phases.
     # (Only error feedback reads `sent`; elsewhere XLA removes its computation.)
     me = lax.axis_index(axes)
-    shortfall_C = lax.dynamic_index_in_dim(total_NxC, me, 0, keepdims=False) - own_C
-    mine_Nx1 = (jnp.arange(n) == me)[:, None]
-    sent_NxC = decode(fitted, payload, n, c, jnp.float32) + jnp.where(
-        mine_Nx1, shortfall_C[None], 0.0)
-    total = total_NxC.reshape(1, -1)[:, :m].astype(dtype)
-    return total, sent_NxC.reshape(1, -1)[:, :m]
+    shortfall_C = lax.dynamic_index_in_dim(total_GxC, me, 0, keepdims=False) - own_C
+    mine_Gx1 = (jnp.arange(n) == me)[:, None]
+    sent_GxC = decode(fitted, payload, n, c, jnp.float32) + jnp.where(
+        mine_Gx1, shortfall_C[None], 0.0)
+    total = total_GxC.reshape(1, -1)[:, :m].astype(dtype)
+    return total, sent_GxC.reshape(1, -1)[:, :m]
 
 
-def reduce_scatter(x_NxM, axes, codec, key, *, op="psum_scatter"):
-    """Row j of every device's x_NxM summed onto device j -> (1xM f32, sent NxM f32)."""
-    n, m, dtype = x_NxM.shape[0], x_NxM.shape[1], x_NxM.dtype
+def reduce_scatter(x_GxM, axes, codec, key, *, op="psum_scatter"):
+    """Row j of every device's x_GxM summed onto device j -> (1xM f32, sent GxM f32)."""
+    n, m, dtype = x_GxM.shape[0], x_GxM.shape[1], x_GxM.dtype
     fitted = plan("reduce_scatter", codec, n, m, n, dtype)
     if fitted is None:
         total = _raw(op, codec, m, n, dtype, lambda a: lax.psum_scatter(a, axes, scatter_dimension=0,
-                                                           tiled=True), x_NxM)
-        return total.astype(jnp.float32), x_NxM.astype(jnp.float32)
-    payload = encode(fitted, x_NxM, key)
+                                                           tiled=True), x_GxM)
+        return total.astype(jnp.float32), x_GxM.astype(jnp.float32)
+    payload = encode(fitted, x_GxM, key)
     total = _sum_rows(fitted, _all_to_all(payload, axes), n, m)
     return total[None], decode(fitted, payload, n, m, jnp.float32)
 
 
 def gather(x_1xM, axes, codec, key, to, *, op="all_gather"):
-    """Every device's row -> NxM of x's dtype; invariant over `axes` if to="invarying"."""
+    """Every device's row -> GxM of x's dtype; invariant over `axes` if to="invarying"."""
     n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
     fitted = plan("gather", codec, 1, m, n, dtype)
     if fitted is None:
@@ -300,9 +300,9 @@ def permute(x_1xM, axes, codec, key, perm, *, op="ppermute"):
     return decode(fitted, moved, 1, m, dtype)
 
 
-def exchange(x_NxM, axes, codec, key, *, op="all_to_all"):
-    n, m, dtype = x_NxM.shape[0], x_NxM.shape[1], x_NxM.dtype
+def exchange(x_GxM, axes, codec, key, *, op="all_to_all"):
+    n, m, dtype = x_GxM.shape[0], x_GxM.shape[1], x_GxM.dtype
     fitted = plan("exchange", codec, n, m, n, dtype)
     if fitted is None:
-        return _raw(op, codec, m, n, dtype, lambda a: lax.all_to_all(a, axes, 0, 0, tiled=True), x_NxM)
-    return decode(fitted, _all_to_all(encode(fitted, x_NxM, key), axes), n, m, dtype)
+        return _raw(op, codec, m, n, dtype, lambda a: lax.all_to_all(a, axes, 0, 0, tiled=True), x_GxM)
+    return decode(fitted, _all_to_all(encode(fitted, x_GxM, key), axes), n, m, dtype)
