@@ -6,8 +6,9 @@ A run is: the config checked into a `RunSpec` (`jcomp.runspec.validate`);
 the workdir checked and locked; the data loaded; the state restored from the
 newest usable checkpoint or initialised (`jcomp.resume`); then per step a
 batch, the step compiled for its compression phase and kept
-(`jcomp.stepcache`), its metrics record (`jcomp.steprecord`), the caller's
-after-step hooks (`jcomp.hooks`), and a checkpoint every checkpoint.every steps.
+(`jcomp.stepcache`), its metrics record (`jcomp.steprecord`), and a
+checkpoint every checkpoint.every steps. The caller's hooks (`jcomp.hooks`)
+run before each batch, after each step and during each save.
 
 Bad configuration and bad input raise `UsageError` (a ValueError) before any
 file in the workdir is touched; `train.py` turns it into one line on stderr
