@@ -24,7 +24,7 @@ import traceback
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # configs/ import configs.base
 
-from jcomp import faults  # noqa: E402  (no JAX: the signal handlers go in first)
+from jcomp import faults, quiet  # noqa: E402  (no JAX: the signal handlers go in first)
 
 _STOP = faults.StopFlag().install()
 
@@ -61,20 +61,7 @@ FLAGS = flags.FLAGS
 
 
 def _fail(message: str, code: int = EXIT_USAGE):
-    line = f"train.py: error: {message}".replace("\n", " ") + "\n"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Our line is the last word: background threads (orbax's asyncio readers after
-    # a failed restore, its writers after a failed save) may still be writing
-    # tracebacks, or never end, so descriptors 1 and 2 go to /dev/null before our
-    # line is written to a copy of stderr, and the interpreter exits without the
-    # teardown that would wait for those threads.
-    err = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    os.write(err, line.encode())
-    os._exit(code)
+    quiet.exit_with_line(f"train.py: error: {message}".replace("\n", " ") + "\n", code)
 
 
 def _start_jax():
@@ -158,12 +145,14 @@ def _loaded_config(argv):
     return cfg
 
 
-def main(argv):
+def main(argv, full_argv=None, hooks=None):
+    """absl's main: `argv` what flag parsing left, `full_argv` the command line it
+    parsed (default sys.argv), `hooks` a jcomp.hooks.Hooks for the loop."""
     if len(argv) > 1:
         _fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if _ENV_ERRORS:
         _fail(_ENV_ERRORS[0])
-    cfg = _loaded_config(sys.argv)
+    cfg = _loaded_config(sys.argv if full_argv is None else full_argv)
     workdir = FLAGS.workdir or os.path.join(
         "runs", os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS["config"])))[0])
     try:
@@ -177,7 +166,7 @@ def main(argv):
 
     logging.set_verbosity(logging.WARNING)
     try:
-        last = trainer.train_and_evaluate(cfg, workdir, stop=_STOP)
+        last = trainer.train_and_evaluate(cfg, workdir, stop=_STOP, hooks=hooks)
     except trainer.UsageError as e:
         _fail(str(e))
     except trainer.NonFiniteError as e:
@@ -223,5 +212,12 @@ def _unknown_field(e: KeyError, argv) -> str:
             + (f" (did you mean {hint.group(1)!r}?)" if hint else ""))
 
 
+def run(argv=None, hooks=None):
+    """The command: parses `argv` (default sys.argv; argv[0] the program) and
+    trains, calling `hooks` (a jcomp.hooks.Hooks) at the loop's defined points."""
+    argv = list(sys.argv if argv is None else argv)
+    app.run(lambda rest: main(rest, argv, hooks), argv=argv, flags_parser=_parse_flags)
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    run()

@@ -4,7 +4,9 @@ compress what they send.
 Layers, top to bottom; a module imports its own layer or below, never above
 (tests/test_layout.py reads the imports and checks it):
 
-  the run         trainer and what it drives: data, checkpoints, faults, metrics
+  the run         trainer (the loop) and what it drives: runspec (the checked
+                  config), resume, stepcache, steprecord, hooks, data, sources,
+                  checkpoint, checksums, quiet, faults, metrics
   mesh, policy    the device mesh; the codec per (axis, kind of message); schedules
   message plan    messages: what the policy means for one model on one mesh
   model and step  model (Flax GPT), autoencoder (a learned model codec),

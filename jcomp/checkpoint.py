@@ -10,7 +10,7 @@
 
 Each step directory holds three orbax items: `state` (the pytree of arrays,
 written by every process for its own shards), `meta` (the caller's JSON dict)
-and `checksums` (a 64-bit checksum per array, see `tree_checksums`).
+and `checksums` (a 64-bit checksum per array, see `jcomp.checksums`).
 
 What counts as a usable checkpoint. Orbax writes a step into a temporary
 directory and renames it when done, so a save killed half-way never appears
@@ -43,7 +43,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from typing import Any, Mapping, NamedTuple, Optional
 
@@ -52,12 +51,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax import lax
+
+from jcomp import quiet
+from jcomp.checksums import path_name, tree_checksums
 
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, in both atomicity modes
 TMP_MARK = getattr(ocp.utils, "TMP_DIR_SUFFIX", ".orbax-checkpoint-tmp")  # in-progress saves
 _STATE, _META, _SUMS = "state", "meta", "checksums"
-_GOLDEN = 0x9E3779B9
 _log = logging.getLogger(__name__)
 
 
@@ -94,103 +94,6 @@ class Restored(NamedTuple):
     state: Any
     meta: dict
     step: int
-
-
-# ---------------------------------------------------------------- checksums
-
-
-def _fmix32(h_N):
-    """MurmurHash3's finalizer: a bijection of uint32, so distinct words stay distinct."""
-    h_N = h_N ^ (h_N >> 16)
-    h_N = h_N * jnp.uint32(0x85EBCA6B)
-    h_N = h_N ^ (h_N >> 13)
-    h_N = h_N * jnp.uint32(0xC2B2AE35)
-    return h_N ^ (h_N >> 16)
-
-
-def _as_words(x):
-    """The bits of `x` as uint32 words: same shape, plus a trailing dim for 8-byte dtypes."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    size = x.dtype.itemsize
-    if size == 4:
-        return lax.bitcast_convert_type(x, jnp.uint32)
-    if size in (1, 2):
-        return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
-    return lax.bitcast_convert_type(x, jnp.uint32)  # [..., itemsize // 4]
-
-
-def _flat_index(shape):
-    """Row-major position of each element as uint32 (wrapping), built without a reshape
-    so that a sharded array is never gathered."""
-    idx = jnp.zeros(shape, jnp.uint32)
-    stride = 1
-    for d in reversed(range(len(shape))):
-        idx = idx + lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
-        stride *= shape[d]
-    return idx
-
-
-def _leaf_sums(x):
-    """Two uint32 sums over the elements of `x`, each term a bijection of the element's
-    bits keyed by its position. Integer sums are exact in any order, so the result does
-    not depend on the sharding, and changing any one element changes both sums."""
-    w = _as_words(x)
-    pos = _flat_index(w.shape)
-    a = _fmix32(w + _fmix32(pos * jnp.uint32(_GOLDEN)))
-    b = _fmix32(w ^ _fmix32(pos * jnp.uint32(_GOLDEN) + jnp.uint32(1)))
-    return jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)
-
-
-_tree_sums = jax.jit(lambda leaves: [_leaf_sums(x) for x in leaves])
-
-
-def _path_name(path) -> str:
-    """A key path as 'a/b/0', the spelling orbax's stored tree also flattens to."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
-def _host_int(x) -> int:
-    # A reduction's result is replicated; every process holds a copy of it.
-    return int(np.asarray(x.addressable_shards[0].data))
-
-
-def tree_checksums(state) -> dict[str, str]:
-    """{'a/b/0': 16 hex digits} for each array of `state`, independent of its sharding."""
-    named = jax.tree_util.tree_flatten_with_path(state)[0]
-    for path, leaf in named:
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-            raise TypeError(
-                f"state leaf {_path_name(path)!r} must be a jax.Array or numpy array; "
-                f"got {type(leaf).__name__}"
-            )
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise TypeError(
-                f"state leaf {_path_name(path)!r} is a typed PRNG key; "
-                "store jax.random.key_data(key) instead"
-            )
-    # One jitted call per set of devices: a call cannot mix arrays committed to
-    # different devices (a restored scalar sits on one device, the weights on the mesh).
-    groups: dict = {}
-    for i, (_, leaf) in enumerate(named):
-        devices = leaf.sharding.device_set if isinstance(leaf, jax.Array) else None
-        groups.setdefault(frozenset(d.id for d in devices or ()), []).append(i)
-    sums = [None] * len(named)
-    for idx in groups.values():
-        for i, pair in zip(idx, _tree_sums([named[i][1] for i in idx])):
-            sums[i] = pair
-    return {
-        _path_name(path): f"{_host_int(a):08x}{_host_int(b):08x}"
-        for (path, _), (a, b) in zip(named, sums)
-    }
 
 
 # ---------------------------------------------------------------- checks
@@ -236,8 +139,8 @@ def _array_mismatches(stored_tree, abstract) -> list[str]:
     (orbax metadata) and `abstract`."""
     has_shape = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
     stored = jax.tree_util.tree_flatten_with_path(stored_tree, is_leaf=has_shape)[0]
-    have = {_path_name(p): m for p, m in stored}
-    want = {_path_name(p): a for p, a in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    have = {path_name(p): m for p, m in stored}
+    want = {path_name(p): a for p, a in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     problems = [f"it lacks array {n!r}" for n in sorted(set(want) - set(have))]
     problems += [f"it has array {n!r}, this run's state has not" for n in sorted(set(have) - set(want))]
     for n in sorted(set(have) & set(want)):
@@ -254,7 +157,7 @@ def _check_abstract(abstract):
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         if not isinstance(leaf, jax.ShapeDtypeStruct) or leaf.sharding is None:
             raise TypeError(
-                f"abstract_state leaf {_path_name(path)!r} must be a jax.ShapeDtypeStruct "
+                f"abstract_state leaf {path_name(path)!r} must be a jax.ShapeDtypeStruct "
                 f"with a sharding (see abstract_like); got {leaf!r}"
             )
 
@@ -287,75 +190,6 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:300]}"
 
 
-class _OrphanedReadFilter(logging.Filter):
-    """After one array of a step fails to read, orbax's sibling read tasks are
-    dropped unawaited and asyncio logs each as "Task exception was never
-    retrieved" at ERROR, long after the restore reported the step unusable with its
-    path and reason. Those records go to this module's debug log instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        if "never retrieved" in text and any(w in text for w in ("orbax", "OCDBT", "TensorStore")):
-            _log.debug("orbax read task after a failed restore: %s", text.splitlines()[0])
-            return False
-        return True
-
-
-def _demote_orphaned_read_errors():
-    asyncio_log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _OrphanedReadFilter) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_OrphanedReadFilter())
-
-
-class _FailedSaveFilter(logging.Filter):
-    """A failed background save makes orbax log the same storage error, with a
-    traceback, from each of its worker threads and again when it is waited for.
-    The error itself is raised by `wait` / `poll` as one SaveError; the copies
-    go to this module's debug log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        # Only errors logged with their exception: what wait() raises again.
-        if record.levelno >= logging.ERROR and record.exc_info \
-                and "/orbax/" in (record.pathname or ""):
-            _log.debug("orbax during a failed save: %s", record.getMessage().splitlines()[0])
-            return False
-        return True
-
-
-def _is_closed_loop_callback(exc, tb) -> bool:
-    """Whether `exc` is asyncio refusing a callback because its event loop is
-    closed: raised by `_check_closed` called from `call_soon_threadsafe`."""
-    if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
-        return False
-    names = []
-    while tb is not None:
-        names.append(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
-    return names[-2:] == ["call_soon_threadsafe", "_check_closed"]
-
-
-def _unraisable_filter(previous):
-    """A sys.unraisablehook that drops TensorStore's reports of writes finishing
-    after orbax closed a failed save's event loop (one traceback apiece, ending
-    in "Event loop is closed"; the failure itself is raised once as SaveError)
-    and passes everything else to `previous`."""
-    def hook(unraisable):
-        if _is_closed_loop_callback(unraisable.exc_value, unraisable.exc_traceback):
-            _log.debug("TensorStore write after a failed save: %s", unraisable.exc_value)
-            return
-        previous(unraisable)
-    hook.jcomp_save_filter = True
-    return hook
-
-
-def _demote_failed_save_errors():
-    absl_log = logging.getLogger("absl")  # orbax logs through absl.logging
-    if not any(isinstance(f, _FailedSaveFilter) for f in absl_log.filters):
-        absl_log.addFilter(_FailedSaveFilter())
-    if not getattr(sys.unraisablehook, "jcomp_save_filter", False):
-        sys.unraisablehook = _unraisable_filter(sys.unraisablehook)
-
-
 # ---------------------------------------------------------------- the manager
 
 
@@ -377,7 +211,7 @@ class Checkpointer:
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
         self._in_flight: Optional[int] = None  # the step whose save may still be running
-        _demote_failed_save_errors()
+        quiet.demote_failed_save_errors()
 
     def step_path(self, step: int) -> epath.Path:
         return self.directory / str(step)
@@ -510,7 +344,7 @@ class Checkpointer:
         if expect_meta is not None and not isinstance(expect_meta, Mapping):
             raise TypeError(f"expect_meta must be a dict or None; got {type(expect_meta).__name__}")
         self.skipped = []
-        _demote_orphaned_read_errors()
+        quiet.demote_orphaned_read_errors()
         present = self.steps()
         if step is not None:
             _check_count("step", step, 0)

@@ -176,7 +176,7 @@ def test_training_checkpoints_and_restores_the_autoencoder(tmp_path):
     import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from configs import tiny
-    from jcomp import checkpoint, step, trainer
+    from jcomp import checkpoint, runspec, step, trainer
 
     cfg = tiny.get_config()
     cfg.train.steps, cfg.checkpoint.every, cfg.train.eval_every = 4, 2, 100
@@ -187,10 +187,12 @@ def test_training_checkpoints_and_restores_the_autoencoder(tmp_path):
     first = trainer.train_and_evaluate(cfg, workdir)
     assert first["step"] == 4
 
-    model_cfg, shape, pol = trainer.validate(cfg, jax.device_count())
-    mesh = jmesh.make_mesh(shape)
-    init = gpt.init_params(model_cfg, jax.random.key(cfg.seed), coders=autoencoder.coders(pol))
-    abstract = step.abstract_state(jax.eval_shape(lambda: init), mesh, trainer.make_tx(cfg), pol)
+    run = runspec.validate(cfg, jax.device_count())
+    mesh = jmesh.make_mesh(run.mesh_shape)
+    init = gpt.init_params(run.model, jax.random.key(cfg.seed),
+                           coders=autoencoder.coders(run.policy))
+    abstract = step.abstract_state(jax.eval_shape(lambda: init), mesh,
+                                   run.optim.tx(run.train.steps), run.policy)
     ckpt_dir = os.path.join(workdir, "checkpoints")
     with checkpoint.Checkpointer(ckpt_dir, save_every=2, keep=3) as ck:
         saved = ck.restore(abstract, step=2).state["params"]["layers"]

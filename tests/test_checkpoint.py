@@ -1,5 +1,7 @@
 """Tests for jcomp.checkpoint: bit-exact roundtrips across shardings, retention,
-fallback past damaged steps, and refusal of checkpoints of another model."""
+fallback past damaged steps, and refusal of checkpoints of another model; the
+checksums it stores (jcomp.checksums) and the filter that keeps a failed save's
+late reports off stderr (jcomp.quiet)."""
 import glob
 import logging
 import os
@@ -16,8 +18,8 @@ from jcomp.checkpoint import (
     CheckpointError,
     Checkpointer,
     abstract_like,
-    tree_checksums,
 )
+from jcomp.checksums import tree_checksums
 from jcomp.mesh import make_mesh
 
 MODEL = {"d_model": 64, "n_layers": 2}
@@ -314,7 +316,7 @@ def test_late_writes_of_a_failed_save_are_not_reported():
     event loop as an unraisable exception; the filter drops exactly those."""
     import asyncio
     import sys
-    from jcomp.checkpoint import _unraisable_filter
+    from jcomp.quiet import unraisable_filter
     loop = asyncio.new_event_loop()
     loop.close()
 
@@ -327,7 +329,7 @@ def test_late_writes_of_a_failed_save_are_not_reported():
             raise ValueError("some other failure")
 
     passed, old = [], sys.unraisablehook
-    sys.unraisablehook = _unraisable_filter(lambda u: passed.append(u.exc_value))
+    sys.unraisablehook = unraisable_filter(lambda u: passed.append(u.exc_value))
     try:
         Late().__init__()
         Other().__init__()

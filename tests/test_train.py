@@ -1,4 +1,9 @@
-"""End-to-end runs of train.py in subprocesses, as users run it."""
+"""End-to-end runs of train.py in subprocesses, as users run it.
+
+The runs that do not depend on one another start side by side in one
+module-scoped fixture: a run of train.py spends much of its time in Python and
+in single-threaded compiles, so on two cores three take little longer than one.
+"""
 import json
 import os
 import socket
@@ -26,6 +31,19 @@ def run(workdir, *args, devices=8, timeout=300):
                           timeout=timeout)
 
 
+def start(workdir, *args, env):
+    return subprocess.Popen([sys.executable, "train.py", f"--workdir={workdir}", *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finish(procs, timeout):
+    """Waits for every process; asserts each exited 0."""
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+
+
 def losses(workdir):
     """step -> loss; a step logged twice (after a resume) keeps its last value."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -37,12 +55,46 @@ def first_record(workdir):
         return json.loads(f.readline())
 
 
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("tiny"))
-    proc = run(workdir, *TINY, "--config.train.profile_steps=2-3")  # the profile: below
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return workdir
+def runs(tmp_path_factory):
+    """Runs of TINY, side by side: "tiny" (with a profile of steps 2-3, checked
+    below) stores its compiled step in the suite's compilation cache; "fresh"
+    runs without the cache; "multi" is 2 processes x 4 CPU devices (gloo) on
+    the same mesh; "warm", started once tiny is done, loads tiny's step from
+    the cache. -> {name: workdir}, each finished with exit 0."""
+    base = tmp_path_factory.mktemp("runs")
+    dirs = {name: str(base / name) for name in ("tiny", "fresh", "multi", "warm")}
+    no_cache = {k: v for k, v in _env().items() if not k.startswith("JAX_PERSISTENT_CACHE")
+                and k != "JAX_COMPILATION_CACHE_DIR"}
+    port = _free_port()
+    procs = {
+        "tiny": [start(dirs["tiny"], *TINY, "--config.train.profile_steps=2-3", env=_env())],
+        "fresh": [start(dirs["fresh"], *TINY, env=no_cache)],
+        "multi": [start(dirs["multi"], *TINY, f"--coordinator_address=127.0.0.1:{port}",
+                        "--num_processes=2", f"--process_id={i}", "--cpu_devices=4",
+                        env={**_env(4), "XLA_FLAGS": ""}) for i in range(2)],
+    }
+    try:
+        finish(procs["tiny"], timeout=400)
+        procs["warm"] = [start(dirs["warm"], *TINY, env=_env())]
+        for name in ("fresh", "multi", "warm"):
+            finish(procs[name], timeout=400)
+    finally:
+        for p in (p for ps in procs.values() for p in ps):
+            if p.poll() is None:
+                p.kill()
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def tiny_run(runs):
+    return runs["tiny"]
 
 
 def test_tiny_trains_and_logs(tiny_run):
@@ -58,20 +110,13 @@ def test_tiny_trains_and_logs(tiny_run):
         assert any("val_loss" in json.loads(line) for line in f)
 
 
-def test_a_cached_compilation_meters_and_trains_as_a_fresh_one(tiny_run, tmp_path):
+def test_a_cached_compilation_meters_and_trains_as_a_fresh_one(runs):
     """The suite shares a persistent compilation cache (conftest.py). A run that
     loads tiny's step from it (tiny_run stored it) and a run without the cache
     read the same bytes from the compiled program and log the same losses."""
     cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
     assert os.listdir(cache), "the suite's compilation cache is empty"
-    warm = str(tmp_path / "warm")
-    assert run(warm, *TINY).returncode == 0
-    fresh = str(tmp_path / "fresh")
-    env = {k: v for k, v in _env().items() if not k.startswith("JAX_PERSISTENT_CACHE")
-           and k != "JAX_COMPILATION_CACHE_DIR"}
-    proc = subprocess.run([sys.executable, "train.py", f"--workdir={fresh}", *TINY], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    warm, fresh = runs["warm"], runs["fresh"]
     wire = lambda w: {k: v for k, v in first_record(w).items() if k.startswith("wire_")}
     assert wire(warm) == wire(fresh) and wire(fresh)["wire_bytes_total"] > 0
     assert losses(warm) == losses(fresh)
@@ -171,26 +216,9 @@ def test_invalid_config_exits_2_with_one_line(tmp_path, arg, field):
     assert not workdir.exists(), "a rejected run must not create its workdir"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_processes_match_one(tmp_path, tiny_run):
+def test_two_processes_match_one(runs):
     """2 processes x 4 CPU devices (gloo) give the 1 x 8 run's losses, same mesh and config."""
-    port = _free_port()
-    workdir = str(tmp_path / "multi")
-    procs = [subprocess.Popen(
-        [sys.executable, "train.py", f"--workdir={workdir}", *TINY,
-         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
-         "--cpu_devices=4"],
-        cwd=ROOT, env={**_env(4), "XLA_FLAGS": ""}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=400) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    multi, single = losses(workdir), losses(tiny_run)
+    multi, single = losses(runs["multi"]), losses(runs["tiny"])
     assert sorted(multi) == sorted(single)
     for s in single:
         assert abs(multi[s] - single[s]) <= 1e-5 * abs(single[s]), (s, multi[s], single[s])

@@ -1,0 +1,56 @@
+"""The compiled programs of a run, one per compression phase: the train step
+with what it sends (`jcomp.wire`), and the eval step.
+
+    steps = StepCache(run, mesh, tx, shapes)
+    exe, report = steps.train(phase, state, batch)   # compiled when first reached
+    state, m = exe(state, batch)
+    val = steps.val_loss(phase, state["params"], val_batches)
+
+A phase the run never reaches costs nothing: each program is compiled the
+first time its phase comes up, then kept for the rest of the run.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jcomp import parallel, step, wire
+
+
+def global_batch(mesh, local_rows, global_rows: int):
+    """This process's rows int32 [B / processes, L + 1] as the global batch
+    [global_rows, L + 1], sharded over the mesh's data axis."""
+    sharding = NamedSharding(mesh, parallel.BATCH_SPEC)
+    local = np.asarray(local_rows, np.int32)
+    return jax.make_array_from_process_local_data(sharding, local, (global_rows,) + local.shape[1:])
+
+
+class StepCache:
+    """Train and eval programs by phase (a `jcomp.policy.Policy` from `run.phases`).
+    The train state is laid out for `run.policy`, whatever the phase."""
+
+    def __init__(self, run, mesh, tx, params_shapes):
+        self.run, self.mesh, self.tx, self.shapes = run, mesh, tx, params_shapes
+        self._train: dict = {}  # phase -> (compiled executable, wire.WireReport)
+        self._eval: dict = {}
+
+    def train(self, phase, state, batch):
+        """-> (executable: (state, batch) -> (state, metrics), its wire report)."""
+        if phase not in self._train:
+            fn = step.make_train_step(self.run.model, self.mesh, self.run.policy,
+                                      self.run.plan(phase), self.tx, self.shapes,
+                                      **self.run.step_options())
+            exe = fn.lower(state, batch).compile()
+            self._train[phase] = (exe, wire.measure_compiled(exe, self.mesh))
+        return self._train[phase]
+
+    def val_loss(self, phase, params, val_batches) -> float:
+        """Mean loss over the local validation batches, each made global."""
+        if phase not in self._eval:
+            self._eval[phase] = step.make_eval_step(self.run.model, self.mesh,
+                                                    self.run.plan(phase), self.shapes,
+                                                    microbatches=self.run.train.microbatches)
+        rows = self.run.train.batch_size
+        return float(np.mean([float(self._eval[phase](params, global_batch(self.mesh, b, rows)))
+                              for b in val_batches]))
