@@ -18,13 +18,15 @@ subprocess each, and compares per case:
 Cases: every policy preset, and the README's example command lines (the
 overrides they show), on the meshes (8,1,1), (2,2,2), (1,2,4) and (4,1,2).
 The model is configs/base.py's with n_layers 4 (pipeline 4 divides it) and
-batch 16 (data 8 x 2 microbatches), warm-up 2 steps (of 5). Each clean checkout's results are kept in
---out/stepsN/<commit>/<case>.json, so an interrupted run resumes (a dirty
-tree's are rerun); --out/report.json holds the comparison. Exit 1 when any case differs.
+batch 16 (data 8 x 2 microbatches), warm-up 2 steps (of 5). Results of clean code are kept in --out/stepsN/<code id>/<case>.json (the id
+hashes the trees of jcomp/, configs/ and train.py, so a commit of docs or
+tests keeps them), so an interrupted run resumes (dirty code's are rerun);
+--out/report.json holds the comparison. Exit 1 when any case differs.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -102,14 +104,28 @@ def run_case(code_root, flags, mesh, steps, workdir) -> dict:
     return out
 
 
+CODE = ("jcomp", "configs", "train.py")  # what a run's result depends on
+
+
+def _code_id(root) -> tuple[str, bool]:
+    """(an id of the committed code, whether the checkout's code is clean): the
+    tree hashes of CODE, so commits that touch only docs, tests or benchmarks
+    keep their results."""
+    trees = subprocess.run(["git", "rev-parse", *(f"HEAD:{p}" for p in CODE)], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.split()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", *CODE],
+                           cwd=root, capture_output=True, text=True).stdout.strip()
+    return hashlib.sha1(" ".join(trees).encode()).hexdigest()[:10], not dirty
+
+
 def side(name, code_root, out_dir, steps, only, run=True):
-    """Runs the cases with the code at `code_root`; results of a clean checkout are
-    kept under out_dir/REV/ and reused, a dirty tree's are rerun every time."""
-    rev = _rev(code_root)[:10]
-    clean = not subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=code_root, capture_output=True, text=True).stdout.strip()
-    keep = os.path.join(out_dir, f"steps{steps}", rev if clean else rev + "-dirty")
+    """Runs the cases with the code at `code_root`; results of clean code are kept
+    under out_dir/stepsN/CODE_ID/ and reused, dirty code's are rerun every time."""
+    code, clean = _code_id(code_root)
+    keep = os.path.join(out_dir, f"steps{steps}", code if clean else code + "-dirty")
     os.makedirs(keep, exist_ok=True)
+    with open(os.path.join(keep, "commit"), "w") as f:
+        f.write(_rev(code_root) + "\n")
     results = {}
     for case, flags, mesh in cases(only):
         path = os.path.join(keep, case + ".json")
