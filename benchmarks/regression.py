@@ -1,7 +1,7 @@
 """A refactor must not change what the train step sends or computes.
 
     python benchmarks/regression.py --before REF [--after WORKTREE] [--steps 5]
-                                    [--only NAME ...] [--before-only] [--compare-only] [--out benchmarks/results/regression]
+                                    [--only NAME ...] [--before-only | --after-only | --compare-only] [--out benchmarks/results/regression]
 
 Runs every case below with the code at git ref REF (checked out into a
 temporary worktree) and with the code of this checkout, `python train.py` in a
@@ -186,11 +186,16 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", default=(), choices=sorted(SETTINGS))
     ap.add_argument("--before-only", action="store_true",
                     help="run (and keep) the before side only, to compare later")
+    ap.add_argument("--after-only", action="store_true",
+                    help="run (and keep) the after side only, to compare later")
     ap.add_argument("--compare-only", action="store_true",
                     help="compare the cases both sides have kept; run nothing")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks/results/regression"))
     args = ap.parse_args(argv)
     before_rev = _rev(ROOT, args.before)
+    if args.after_only:
+        side("after", args.after, args.out, args.steps, args.only)
+        return 0
     tree = tempfile.mkdtemp(prefix="jcomp-before-")
     subprocess.run(["git", "worktree", "add", "--detach", tree, before_rev], cwd=ROOT,
                    check=True, capture_output=True)
