@@ -35,6 +35,11 @@ that save is the newest, before any other save starts), `wait` or the next
 then; `remove_unfinished` removes those left by a process that died mid-save.
 After a SaveError orbax's worker threads may never end: a program that gets
 one should leave with `os._exit`, as `train.py` does.
+
+Just past 400 lines, on purpose: saving, the usable-checkpoint rules and the
+restore walk are one contract (what a save leaves is what a restore accepts),
+and the parts that stand alone already live apart (jcomp.checksums,
+jcomp.quiet).
 """
 from __future__ import annotations
 

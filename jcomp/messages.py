@@ -55,8 +55,8 @@ EXACT = (
 class Message:
     """One message of the step. `codecs` holds one codec per place, `places`
     the places' indices: global layers (block_exit, block_entry_grad), sending
-    stages (stage_send: s -> s+1 for s = 0..P-2; stage_send_grad: s -> s-1 for
-    s = 1..P-1; last_stage_sum: P-1; first_stage_grad: 0), or none (a message
+    stages (stage_send: s -> s+1 for s = 0..p-2; stage_send_grad: s -> s-1 for
+    s = 1..p-1; last_stage_sum: p-1; first_stage_grad: 0), or none (a message
     sent once)."""
 
     name: str
