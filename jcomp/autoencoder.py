@@ -37,7 +37,15 @@ from jcomp.codecs import structured
 
 SUBBLOCKS = ("attn", "mlp")
 # The Block parameters whose gradient differs per tensor rank (see the docstring).
-VARYING_OVER_TENSOR = tuple(f"{s}_ae_{p}" for s in SUBBLOCKS for p in ("out_enc", "in_dec"))
+# ((name, part), ...): out's encoder and in's decoder of each sub-block.
+VARYING_OVER_TENSOR = tuple((f"{s}_ae_{p}_{w}", p) for s in SUBBLOCKS
+                            for p, w in (("out", "enc"), ("in", "dec")))
+
+
+def varying_over_tensor(parts) -> tuple:
+    """The parameter names of VARYING_OVER_TENSOR whose part ("out", "in") is in
+    `parts`, in its order."""
+    return tuple(n for n, p in VARYING_OVER_TENSOR if p in parts)
 # Their logical axes (jcomp.model.PARAM_AXES): enc [D, A], dec [A, D]; "code"
 # is no split axis, so every tensor rank holds them whole.
 PARAM_AXES = {(f"{s}_ae_{p}_{w}",): ("embed", "code") if w == "enc" else ("code", "embed")

@@ -26,7 +26,7 @@ the mesh's axis sizes), laid out by `zero_spec`: inside `shard_map` a block is
 [d*c] still owes the sum, for stage 1 and stage 2 alike. The layout depends on
 (d, t, p) and the policy's codecs; a checkpoint restores onto the same layout.
 
-With a PowerSGD gradient policy, step 1 below is instead `powersgd.reduce` of
+With a PowerSGD gradient policy, step 1 below is instead `powersgd.reduce_shards` of
 each leaf's local block (stage 1 only: its factors are all-reduced, so every
 rank gets the whole rank-R mean, of which it keeps slice r); its residual
 lives in the first S entries of the leaf's "ef" buffer.
@@ -401,29 +401,6 @@ def _reduce(flats, res, codec, key, bucket_bytes):
     return cc.psum_scatter(flats, "data", **kw), None
 
 
-def _reduce_lowrank(flats, p_leaves, q_leaves, res, codec, key):
-    """PowerSGD of each leaf's local block over 'data' (`powersgd.reduce`).
-
-    flats: zero-padded [D*c] local gradients; q_leaves: (1, 1, n, R) Qs; res:
-    [D*c] residuals or None. -> (this rank's [c] slices of the mean gradients,
-    new Qs, new [D*c] residuals or None)."""
-    d, r = lax.axis_size("data"), lax.axis_index("data")
-    own, new_qs, new_res = [], [], []
-    for i, (flat, p, q) in enumerate(zip(flats, p_leaves, q_leaves)):
-        pad = flat.size - p.size
-        res_leaf = None if res is None else res[i][:p.size].reshape(p.shape)
-        k = None if key is None else jax.random.fold_in(key, i)
-        mean, q_new, res_new = powersgd.reduce(flat[:p.size].reshape(p.shape),
-                                               q.reshape(q.shape[-2:]), res_leaf, "data",
-                                               codec=codec, key=k)
-        mean_flat = jnp.pad(mean.reshape(-1).astype(jnp.float32), (0, pad))
-        own.append(lax.dynamic_slice_in_dim(mean_flat, r * (flat.size // d), flat.size // d))
-        new_qs.append(q_new.reshape(q.shape))
-        if res_new is not None:
-            new_res.append(jnp.pad(res_new.reshape(-1), (0, pad)))
-    return own, new_qs, (new_res if res is not None else None)
-
-
 def _check_args(stage, clip_norm):
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(f"stage must be 1 or 2; got {stage!r}")
@@ -491,7 +468,8 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     new_qs = None
     if isinstance(g_codec, powersgd.PowerSGD):
         q_leaves = treedef.flatten_up_to(zstate["psgd_q"])
-        own, new_qs, new_res = _reduce_lowrank(flats, p_leaves, q_leaves, res, psgd, k_grad)
+        own, new_qs, new_res = powersgd.reduce_shards(flats, p_leaves, q_leaves, res, psgd,
+                                                      k_grad)
     else:
         own, new_res = _reduce(flats, res, g_codec, k_grad, bucket_bytes)
         d = lax.axis_size("data")

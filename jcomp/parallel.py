@@ -302,11 +302,9 @@ def local_value_and_grad(params, batch_bxL1, cfg, plan, microbatches, remat=Fals
     # Autoencoder weights that multiply rank-varying values are marked varying over
     # tensor here, so their gradients come out per rank and are summed once per step
     # below (plan.ae_grad_sum) instead of by an implicit float32 psum per use.
-    in_use = [f"_ae_{part}_" for part, msg in (("out", plan.block_exit),
-                                               ("in", plan.block_entry_grad))
+    in_use = [part for part, msg in (("out", plan.block_exit), ("in", plan.block_entry_grad))
               if any(c.kind == "learned" for c in msg.codecs)]
-    ae_names = [n for n in autoencoder.VARYING_OVER_TENSOR
-                if n in params["layers"] and any(u in n for u in in_use)]
+    ae_names = [n for n in autoencoder.varying_over_tensor(in_use) if n in params["layers"]]
     layers = dict(params_v["layers"])
     for n in ae_names:
         layers[n] = cc.vary(layers[n], (TENSOR,))

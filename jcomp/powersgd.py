@@ -125,3 +125,27 @@ def reduce(grad_local, q_state, residual, axis="data", *, codec, key=None):
     approx_MxN = _mm(p_MxR, q_NxR.T)
     new_res = None if residual is None else (m_MxN - approx_MxN).reshape(shape)
     return approx_MxN.reshape(shape).astype(grad_local.dtype), q_NxR, new_res
+
+
+def reduce_shards(flats, p_leaves, q_leaves, res, codec, key):
+    """`reduce` of each leaf's local block over 'data', for the ZeRO optimizer.
+
+    flats: zero-padded [d*c] local gradients (d = data ranks, c = a shard);
+    p_leaves: the local params (shapes); q_leaves: (1, 1, n, R) Qs; res: [d*c]
+    residuals or None. -> (this rank's [c] slices of the mean gradients, new Qs,
+    new [d*c] residuals or None)."""
+    d, r = lax.axis_size("data"), lax.axis_index("data")
+    own, new_qs, new_res = [], [], []
+    for i, (flat, p, q) in enumerate(zip(flats, p_leaves, q_leaves)):
+        pad = flat.size - p.size
+        res_leaf = None if res is None else res[i][:p.size].reshape(p.shape)
+        k = None if key is None else jax.random.fold_in(key, i)
+        mean, q_new, res_new = reduce(flat[:p.size].reshape(p.shape),
+                                      q.reshape(q.shape[-2:]), res_leaf, "data", codec=codec,
+                                      key=k)
+        mean_flat = jnp.pad(mean.reshape(-1).astype(jnp.float32), (0, pad))
+        own.append(lax.dynamic_slice_in_dim(mean_flat, r * (flat.size // d), flat.size // d))
+        new_qs.append(q_new.reshape(q.shape))
+        if res_new is not None:
+            new_res.append(jnp.pad(res_new.reshape(-1), (0, pad)))
+    return own, new_qs, (new_res if res is not None else None)
