@@ -67,12 +67,6 @@ def dims(pol) -> dict:
             "init": learned[0].init if learned else "orthogonal"}
 
 
-def parts(pol) -> tuple:
-    """The Block autoencoders a policy runs: "out" (tensor.act), "in" (tensor.act_grad)."""
-    d = dims(pol)
-    return tuple(part for part in ("out", "in") if d[f"{part}_dim"])
-
-
 def coder(part: str, dim: int, init: str):
     """A model coder (jcomp.model's enter_coder / exit_coder) for part "in"
     (tensor.act_grad, at tp_enter) or "out" (tensor.act, at tp_exit):
@@ -99,12 +93,6 @@ def coders(pol, only=("out", "in")) -> dict:
     return {hook: coder(part, d[f"{part}_dim"], d["init"])
             for hook, part in (("exit", "out"), ("enter", "in"))
             if d[f"{part}_dim"] and part in only}
-
-
-def rest_codec(codec):
-    """The codec for tensor collectives outside the blocks: `rest` of an
-    autoencoder, the codec itself otherwise."""
-    return codec.rest if getattr(codec, "kind", None) == "learned" else codec
 
 
 def init_pair(key, d_model: int, dim: int, init: str):
