@@ -1,6 +1,5 @@
 """The 3-D parallel GPT against the single-device reference, and its traffic."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
