@@ -196,10 +196,9 @@ def zero_specs(param_specs):
 
 
 def grad_codec(policy):
-    """policy["data", "grad"] as a codec object: a `powersgd.PowerSGD` as it is,
-    anything else through codecs.parse."""
-    spec = policy["data", "grad"]
-    return spec if isinstance(spec, powersgd.PowerSGD) else codecs.parse(spec)
+    """policy["data", "grad"] as a codec object (codecs.parse passes a
+    `powersgd.PowerSGD` through as it is)."""
+    return codecs.parse(policy["data", "grad"])
 
 
 def _powersgd(policy):

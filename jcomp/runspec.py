@@ -13,7 +13,6 @@ lays out the train state.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -97,7 +96,6 @@ class RunSpec:
     mesh_shape: tuple          # sizes along mesh_lib.AXES
     phases: tuple              # ((first step, Policy), ...) from step 0
     plans: tuple               # the messages.Plan of each phase, in phase order
-    ae_dims: Mapping[str, Any]  # autoencoder.dims of the final policy
     optim: OptimSettings
     train: TrainSettings
     data: DataSettings
@@ -255,7 +253,6 @@ def validate(cfg, n_devices: int) -> RunSpec:
         raise UsageError(f"compression.{e}") from None
     plans = tuple(messages.plan(p, model_cfg.n_layers, mesh_shape) for _, p in phases)
     return RunSpec(model=model_cfg, mesh_shape=tuple(shape), phases=tuple(phases), plans=plans,
-                   ae_dims=ae,
                    optim=optim_settings(cfg.optim), train=_train_settings(cfg.train, profile_steps),
                    data=_data_settings(cfg.data), checkpoint_every=cfg.checkpoint.every,
                    checkpoint_keep=cfg.checkpoint.keep, seed=cfg.seed,

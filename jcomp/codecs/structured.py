@@ -13,13 +13,13 @@ import dataclasses
 import math
 import numbers
 
-from jcomp.codecs.reader import parse_byte
+from jcomp.codecs.reader import parse_byte, split
 from jcomp.codecs.spec import key_value_options
 
 
 POWERSGD_FORM = ("powersgd:rank=R[:factor=CODEC][:fallback=CODEC][:min_compression=F] "
-              "(R an int >= 1, F a number >= 1, CODEC a codec spec without ':' such as "
-              "none, bf16, int8)")
+                 "(R an int >= 1, F a number >= 1, CODEC a codec spec without ':' such as "
+                 "none, bf16, int8)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,18 +74,24 @@ def _bad_powersgd(spec, why: str) -> ValueError:
     return ValueError(f"invalid PowerSGD spec {spec!r}: {why}. Valid form: {POWERSGD_FORM}")
 
 
+def _fields(spec, name: str, keys, bad, what: str) -> dict:
+    """The key=value options of a "NAME:key=value:..." spec string; `bad(spec,
+    why)` makes the ValueError, `what` names the codec in the TypeError."""
+    if not isinstance(spec, str):
+        raise TypeError(f"{what} spec must be a string; got {type(spec).__name__}")
+    head, opts = split(spec)
+    if head != name:
+        raise bad(spec, f"it must start with {name!r}, not {head!r}")
+    return key_value_options(opts, keys, lambda why: bad(spec, why))
+
+
 def parse_powersgd(spec) -> PowerSGD:
     """Reads "powersgd:rank=R[:factor=C][:fallback=C][:min_compression=F]"
     (case-insensitive). A PowerSGD object passes through unchanged."""
     if isinstance(spec, PowerSGD):
         return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"PowerSGD spec must be a string; got {type(spec).__name__}")
-    name, *opts = [p.strip() for p in spec.strip().lower().split(":")]
-    if name != "powersgd":
-        raise _bad_powersgd(spec, f"it must start with 'powersgd', not {name!r}")
-    fields = key_value_options(opts, ("rank", "factor", "fallback", "min_compression"),
-                                      lambda why: _bad_powersgd(spec, why))
+    fields = _fields(spec, "powersgd", ("rank", "factor", "fallback", "min_compression"),
+                     _bad_powersgd, "PowerSGD")
     if "factor" in fields:
         fields["factor_codec"] = fields.pop("factor")
     if "rank" not in fields:
@@ -106,7 +112,7 @@ def parse_powersgd(spec) -> PowerSGD:
 
 
 AE_FORM = ("ae:dim=A[:init=orthogonal|normal][:rest=CODEC] (A an int >= 1; CODEC one of "
-              "none, bf16, fp16, fp8, int8, int4, int2)")
+           "none, bf16, fp16, fp8, int8, int4, int2)")
 INITS = ("orthogonal", "normal")
 RESTS = ("none", "bf16", "fp16", "fp8", "int8", "int4", "int2")
 
@@ -146,12 +152,7 @@ def parse_ae(spec) -> Autoencoder:
     """Reads "ae:dim=A[:init=...][:rest=...]" (case-insensitive)."""
     if isinstance(spec, Autoencoder):
         return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"autoencoder spec must be a string; got {type(spec).__name__}")
-    name, *opts = [p.strip() for p in spec.strip().lower().split(":")]
-    if name != "ae":
-        raise _bad_ae(spec, f"it must start with 'ae', not {name!r}")
-    fields = key_value_options(opts, ("dim", "init", "rest"), lambda why: _bad_ae(spec, why))
+    fields = _fields(spec, "ae", ("dim", "init", "rest"), _bad_ae, "autoencoder")
     if "dim" not in fields:
         raise _bad_ae(spec, "dim is missing")
     try:
