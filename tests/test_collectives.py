@@ -369,11 +369,13 @@ def test_megatron_copy_and_reduce(mesh):
     assert not [c for c in report.collectives if c.dtype == "f32" and c.bytes_per_device > 64]
 
 
-@pytest.mark.parametrize("codec", ["topk:0.25", "int2"])
+@pytest.mark.parametrize("codec", ["topk:0.25", "int2", "int2:rot"])
 def test_error_feedback_carries_what_was_not_sent(mesh, codec):
     """Summed over steps, error-feedback reductions track the exact sums: the
     residual holds exactly what each device has not yet sent, so the running
-    error stays at one residual's size instead of growing with every step."""
+    error stays at one residual's size instead of growing with every step.
+    (int2:rot: the owner sums and re-codes in the rotated basis, and what it
+    was sent is read back from there.)"""
     rng = np.random.default_rng(0)
     # Gradients have a persistent part and noise; the persistent part is what a
     # biased codec keeps dropping without feedback.

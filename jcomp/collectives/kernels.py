@@ -208,9 +208,25 @@ def _sum_rows(codec, payload, n: int, m: int):
         values, indices = payload["values"], payload["indices"]
         return jnp.zeros((m,), jnp.float32).at[indices.reshape(-1)].add(
             values.reshape(-1).astype(jnp.float32))
+    if _in_basis(codec):
+        return codec.from_basis(_sum_in_basis(codec, payload, n), _view(codec, m),
+                                jnp.float32).reshape(m)
     rows = [codec.decode(jax.tree.map(lambda a: a[i], payload), _view(codec, m), jnp.float32)
             for i in range(n)]
     return _add_all(rows).reshape(m)
+
+
+def _in_basis(codec) -> bool:
+    """Whether sums are taken in the codec's rotated basis: a rotation is linear, so
+    the sum of rotated rows is the rotation of their sum, and summing before the
+    inverse rotation runs it once instead of once per row."""
+    return getattr(codec, "rot", False)
+
+
+def _sum_in_basis(codec, payload, n: int):
+    """The n rows of `payload` summed in the codec's basis -> float32 blocks."""
+    return _add_all([codec.decode_basis(jax.tree.map(lambda a: a[i], payload))
+                     for i in range(n)])
 
 
 def _add_all(rows):
@@ -242,7 +258,9 @@ def allreduce(x_1xM, axes, codec, key, *, op="psum"):
 
     Owners: device j sums chunk j of every device (all_to_all of coded chunks,
     float32 sum), re-codes it and all_gathers the coded sums. Sparse codecs take
-    each chunk's top entries in both phases: 2F of the raw bytes at any n."""
+    each chunk's top entries in both phases: 2F of the raw bytes at any n. A
+    rotated codec's owner sums and re-codes in the rotated basis: the rotation
+    runs on the sender's row and on the gathered sums only."""
     n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
     fitted = plan("allreduce", codec, 1, m, n, dtype)
     if fitted is None:
@@ -253,8 +271,15 @@ def allreduce(x_1xM, axes, codec, key, *, op="psum"):
         x_flat = jnp.pad(x_flat, (0, n * c - m))
     k1, k2 = _split(key)
     payload = encode(fitted, x_flat.reshape(n, c), k1)
-    own_C = _sum_rows(fitted, _all_to_all(payload, axes), n, c)
-    gathered = _all_gather(encode(fitted, own_C[None], k2), axes, "invarying")
+    received = _all_to_all(payload, axes)
+    if _in_basis(fitted):  # the owner's sum is coded again in the basis it came in
+        own_B = _sum_in_basis(fitted, received, n)
+        own_C = fitted.from_basis(own_B, _view(fitted, c), jnp.float32).reshape(c)
+        coded = fitted.encode_basis(own_B[None], key=k2)
+    else:
+        own_C = _sum_rows(fitted, received, n, c)
+        coded = encode(fitted, own_C[None], k2)
+    gathered = _all_gather(coded, axes, "invarying")
     total_GxC = decode(fitted, gathered, n, c, jnp.float32)
     # The owner also re-codes its sum; charging that error to the owner's row keeps
     # "sum of what was sent == total" exact, so error feedback repairs both phases.
