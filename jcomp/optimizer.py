@@ -71,6 +71,11 @@ from jax.sharding import PartitionSpec as P
 from jcomp import codecs
 from jcomp import collectives as cc
 from jcomp import powersgd
+from jcomp import wire
+
+# The names of the two messages this update sends in the step's plan
+# (jcomp.messages), under which the byte meter reports them.
+GRAD_REDUCE, PARAM_GATHER = "grad_reduce", "param_gather"
 
 SHARD_AXES = ("tensor", "pipeline")  # the axes working params may be split over
 NO_DECAY_NAMES = ("bias", "scale")
@@ -384,8 +389,9 @@ def _padded_grads(grads, p_leaves, masters, axes, multiple):
 def _gather_params(master_leaves, p_leaves, codec, key, bucket_bytes):
     """(1, 1, 1, c) master shards -> working params: gathered over 'data' (invariant
     there), un-padded, reshaped to the local param shapes and cast to their dtypes."""
-    gathered = cc.all_gather([m.reshape(-1) for m in master_leaves], "data", tiled=True,
-                             to="invarying", codec=codec, key=key, bucket_bytes=bucket_bytes)
+    with wire.message_scope(PARAM_GATHER):
+        gathered = cc.all_gather([m.reshape(-1) for m in master_leaves], "data", tiled=True,
+                                 to="invarying", codec=codec, key=key, bucket_bytes=bucket_bytes)
     return [x[:p.size].reshape(p.shape).astype(p.dtype) for x, p in zip(gathered, p_leaves)]
 
 
@@ -395,9 +401,10 @@ def _reduce(flats, res, codec, key, bucket_bytes):
     A reduce-scatter at either ZeRO stage: each rank keeps only its slice of the sum,
     so an all-reduce would send twice the bytes for the same update."""
     kw = dict(scatter_dimension=0, tiled=True, codec=codec, key=key, bucket_bytes=bucket_bytes)
-    if res is not None:
-        return cc.psum_scatter_ef(flats, res, "data", **kw)
-    return cc.psum_scatter(flats, "data", **kw), None
+    with wire.message_scope(GRAD_REDUCE):
+        if res is not None:
+            return cc.psum_scatter_ef(flats, res, "data", **kw)
+        return cc.psum_scatter(flats, "data", **kw), None
 
 
 def _check_args(stage, clip_norm):
@@ -467,8 +474,9 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     new_qs = None
     if isinstance(g_codec, powersgd.PowerSGD):
         q_leaves = treedef.flatten_up_to(zstate["psgd_q"])
-        own, new_qs, new_res = powersgd.reduce_shards(flats, p_leaves, q_leaves, res, psgd,
-                                                      k_grad)
+        with wire.message_scope(GRAD_REDUCE):
+            own, new_qs, new_res = powersgd.reduce_shards(flats, p_leaves, q_leaves, res, psgd,
+                                                          k_grad)
     else:
         own, new_res = _reduce(flats, res, g_codec, k_grad, bucket_bytes)
         d = lax.axis_size("data")

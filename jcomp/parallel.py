@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 from jcomp import autoencoder
 from jcomp import collectives as cc
 from jcomp import model as gpt
+from jcomp import wire
 
 DATA, TENSOR, PIPE = "data", "tensor", "pipeline"
 BATCH_SPEC = P(DATA)  # tokens [B, L+1]: rows split over data, replicated elsewhere
@@ -134,7 +135,8 @@ def embed_lookup(embed_VtxD, tokens_BxL, dtype, embed_sum):
     mine_BxL = (local_BxL >= 0) & (local_BxL < v_local)
     rows_BxLxD = gpt.embed(embed_VtxD, jnp.where(mine_BxL, local_BxL, 0), jnp.float32)
     part_BxLxD = jnp.where(mine_BxL[..., None], rows_BxLxD, 0.0).astype(dtype)
-    return cc.psum(part_BxLxD, TENSOR, codec=embed_sum.codec)
+    with wire.message_scope(embed_sum.name):
+        return cc.psum(part_BxLxD, TENSOR, codec=embed_sum.codec)
 
 
 def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, head_entry_grad):
@@ -142,8 +144,9 @@ def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, head_entry_grad):
     The head's input enters the tensor ranks with `head_entry_grad` backward."""
     final_ln = gpt._final_ln(cfg)
     h_BxLxD = final_ln.apply({"params": params["final_ln"]}, h_BxLxD.astype(jnp.float32))
-    h_BxLxD = cc.copy_to_parallel(h_BxLxD.astype(cfg.compute_dtype), TENSOR,
-                                  bwd_codec=head_entry_grad.codec)
+    with wire.message_scope(backward=head_entry_grad.name):
+        h_BxLxD = cc.copy_to_parallel(h_BxLxD.astype(cfg.compute_dtype), TENSOR,
+                                      bwd_codec=head_entry_grad.codec)
     w_VtxD = params["embed"] if cfg.tie_embeddings else params["head"]
     logits_BxLxVt = jnp.einsum("bld,vd->blv", h_BxLxD, w_VtxD.astype(cfg.compute_dtype),
                                preferred_element_type=jnp.float32)
@@ -161,15 +164,25 @@ def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, head_entry_grad):
     return nll_BxL.mean()
 
 
-def _tp_hooks(exit_codec, enter_codec):
-    """(tp_enter, tp_exit, model coders) of one layer. A learned autoencoder codes
-    the message inside the block (jcomp.autoencoder): its collective moves the
-    code as it is."""
+def _scoped(fn, forward="", backward=""):
+    """fn, its collectives attributed to these messages (wire.message_scope)."""
+    def call(*args, **kwargs):
+        with wire.message_scope(forward, backward):
+            return fn(*args, **kwargs)
+    return call
+
+
+def _tp_hooks(exit_codec, enter_codec, names=("", "")):
+    """(tp_enter, tp_exit, model coders) of one layer; `names`: the exit and entry
+    messages'. A learned autoencoder codes the message inside the block
+    (jcomp.autoencoder): its collective moves the code as it is."""
     learned = lambda c: c.kind == "learned"
-    enter = functools.partial(cc.copy_to_parallel, axis_name=TENSOR,
-                              bwd_codec="none" if learned(enter_codec) else enter_codec)
-    leave = functools.partial(cc.psum, axis_name=TENSOR,
-                              codec="none" if learned(exit_codec) else exit_codec)
+    enter = _scoped(functools.partial(cc.copy_to_parallel, axis_name=TENSOR,
+                                      bwd_codec="none" if learned(enter_codec) else enter_codec),
+                    backward=names[1])
+    leave = _scoped(functools.partial(cc.psum, axis_name=TENSOR,
+                                      codec="none" if learned(exit_codec) else exit_codec),
+                    forward=names[0])
     coders = {}
     if learned(exit_codec):
         coders["exit"] = autoencoder.coder("out", exit_codec.dim, exit_codec.init)
@@ -199,7 +212,7 @@ def _stage_runner(layers, cfg, block_exit, block_entry_grad, remat):
     choice = [tuple(at(s, j) for s in range(n_stages)) for j in range(n_local)]
 
     def run(variant, seg_layers, x):
-        enter, leave, coders = _tp_hooks(*variant)
+        enter, leave, coders = _tp_hooks(*variant, (block_exit.name, block_entry_grad.name))
         return gpt.apply_layers(seg_layers, x, cfg=cfg, tp_enter=enter, tp_exit=leave,
                                 remat=remat, coders=coders)
 
@@ -238,7 +251,8 @@ def _send(state_bxLxD, stage_send, stage_send_grad, n_stages, stage):
         return lax.ppermute(state_bxLxD, PIPE, [])
     out = None
     for (fwd, bwd), pairs in by_codecs.items():
-        moved = cc.ppermute(state_bxLxD, PIPE, pairs, codec=fwd, bwd_codec=bwd)
+        with wire.message_scope(stage_send.name, stage_send_grad.name):
+            moved = cc.ppermute(state_bxLxD, PIPE, pairs, codec=fwd, bwd_codec=bwd)
         out = moved if out is None else jnp.where(_one_of(stage, [d for _, d in pairs]),
                                                   moved, out)
     return out
@@ -255,7 +269,9 @@ def pipeline_forward(layers, x0_MxbxLxD, cfg, plan, remat):
     stage = lax.axis_index(PIPE)
     n_micro = x0_MxbxLxD.shape[0]
     run_stage = _stage_runner(layers, cfg, plan.block_exit, plan.block_entry_grad, remat)
-    x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE, bwd_codec=plan.first_stage_grad.codec)
+    with wire.message_scope(backward=plan.first_stage_grad.name):
+        x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE,
+                                         bwd_codec=plan.first_stage_grad.codec)
 
     def tick(t, state_bxLxD, out_MxbxLxD):
         feed = lax.dynamic_index_in_dim(x0_MxbxLxD, jnp.minimum(t, n_micro - 1), 0, False)
@@ -278,7 +294,8 @@ def pipeline_forward(layers, x0_MxbxLxD, cfg, plan, remat):
     n_ticks = n_micro + n_stages - 1
     (state, out), _ = lax.scan(body, (state, out), jnp.arange(1, n_ticks))
     last = jnp.where(stage == n_stages - 1, out, jnp.zeros_like(out))
-    return cc.psum(last, PIPE, codec=plan.last_stage_sum.codec)
+    with wire.message_scope(plan.last_stage_sum.name):
+        return cc.psum(last, PIPE, codec=plan.last_stage_sum.codec)
 
 
 def local_loss(params, batch_bxL1, cfg, plan, microbatches: int, remat: bool = False):
@@ -312,8 +329,9 @@ def local_value_and_grad(params, batch_bxL1, cfg, plan, microbatches, remat=Fals
     loss, grads = jax.value_and_grad(local_loss)(params_v, batch_bxL1, cfg, plan, microbatches,
                                                  remat)
     if ae_names:
-        summed = cc.psum([grads["layers"][n] for n in ae_names], TENSOR,
-                         codec=plan.ae_grad_sum.codec)
+        with wire.message_scope(plan.ae_grad_sum.name):
+            summed = cc.psum([grads["layers"][n] for n in ae_names], TENSOR,
+                             codec=plan.ae_grad_sum.codec)
         grads = {**grads, "layers": {**grads["layers"], **dict(zip(ae_names, summed))}}
     return loss, grads
 

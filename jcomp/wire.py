@@ -25,9 +25,9 @@ themselves). A conditional's branch is shared by the devices that take it when
 its selector is a function of partition-id that the meter can evaluate
 exactly; otherwise the branch is counted as if it always runs, with a caveat.
 
-About 440 lines, on purpose: the byte model per collective kind, the replica
-groups it is applied to and the mesh axes they span are one reading of an
-instruction; the HLO text itself (call graph, loops, branch selectors) is
+About 480 lines, on purpose: the byte model per collective kind, the replica
+groups it is applied to, the mesh axes they span and the message it belongs
+to (`message_scope`) are one reading of an instruction; the HLO text itself (call graph, loops, branch selectors) is
 read by jcomp.hlo.
 """
 from __future__ import annotations
@@ -51,6 +51,34 @@ UNMEASURED = ("send", "recv", "ragged-all-to-all", "collective-broadcast")
 # jcomp.collectives runs a collective it cannot compress under this named scope,
 # which the compiled program keeps in the instruction's op_name metadata.
 _RAW_RE = re.compile(r'op_name="[^"]*jcomp_raw\(([^)]*)\)')
+
+# The train step sends each message of its plan (jcomp.messages) under a named
+# scope `jcomp_msg(FORWARD,BACKWARD)`: the message the call sends forward and
+# the one its transpose sends backward (either may be empty). The compiled
+# program keeps the scope in op_name; a collective of the backward pass has a
+# transpose( in its path, one that remat recomputes for the backward pass a
+# rematted_computation.
+MESSAGE_SCOPE = "jcomp_msg({},{})"
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+_MSG_RE = re.compile(r"jcomp_msg\(([^,()]*),([^,()]*)\)")
+
+
+def message_scope(forward: str = "", backward: str = ""):
+    """A named scope that attributes the collectives inside it (forward) and their
+    transposes (backward) to these messages in a WireReport (`Collective.message`)."""
+    return jax.named_scope(MESSAGE_SCOPE.format(forward, backward))
+
+
+def _message_of(line: str) -> str:
+    """The message a collective's op_name attributes it to; "" if none."""
+    m = _OP_NAME_RE.search(line)
+    scopes = _MSG_RE.findall(m.group(1)) if m else []
+    if not scopes:
+        return ""
+    forward, backward = scopes[-1]
+    path = m.group(1)
+    backward_pass = "transpose(" in path and "rematted_computation" not in path
+    return backward if backward_pass else forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +104,7 @@ class Collective:
     parts: tuple[tuple[str, tuple[int, ...], float], ...] = ()
     caveat: str = ""
     share: float = 1.0
+    message: str = ""  # the plan's message it belongs to (see message_scope); "" if none
 
     @property
     def total_bytes(self) -> float:
@@ -98,6 +127,14 @@ class WireReport:
             out[key] = out.get(key, 0.0) + c.total_bytes
         return out
 
+    def by_message(self) -> dict[str, float]:
+        """Bytes per device per call (mesh average), keyed by the plan's message
+        ("" for collectives sent outside any message scope)."""
+        out: dict[str, float] = {}
+        for c in self.collectives:
+            out[c.message] = out.get(c.message, 0.0) + c.total_bytes
+        return out
+
     def by_dtype(self) -> dict[str, float]:
         """Bytes per device per call (mesh average), keyed by element dtype of what is sent."""
         out: dict[str, float] = {}
@@ -115,12 +152,13 @@ class WireReport:
     def table(self) -> str:
         """A fixed-width table of collectives, a per-axis summary, then the notes."""
         shared = any(c.share != 1 for c in self.collectives)  # the column only when it says something
+        named = any(c.message for c in self.collectives)
         head = ("kind", "dtype", "shape", "axes", "n", "count") + ("share",) * shared + (
-            "bytes/dev/exec", "bytes/dev/call")
+            "bytes/dev/exec", "bytes/dev/call") + ("message",) * named
         rows = [head] + [
             (c.kind, c.dtype, _shape_str(c.shape), "+".join(c.axes) or "none", str(c.group_size),
              f"{c.count}{'?' if c.caveat else ''}") + (f"{c.share:.4g}",) * shared +
-            (_fmt(c.bytes_per_device), _fmt(c.total_bytes))
+            (_fmt(c.bytes_per_device), _fmt(c.total_bytes)) + (c.message or "-",) * named
             for c in self.collectives
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -352,6 +390,8 @@ def _parse(hlo_text: str, mesh_shape, axis_names) -> tuple[list[Collective], lis
         notes.append(f"{len(which)} collective(s) ({', '.join(which)}): {caveat}")
     for op, k in unmeasured.items():
         notes.append(f"{k} {op} instruction(s) move bytes this meter does not count")
+    found = [dataclasses.replace(c, message=_message_of(line)) if "jcomp_msg(" in line else c
+             for c, line in zip(found, lines)]
     raw: dict[str, list[str]] = {}
     for c, line in zip(found, lines):
         m = _RAW_RE.search(line)

@@ -57,7 +57,7 @@ def test_learned_codes_name_their_rest_outside_the_blocks():
         jpolicy.preset("hybrid"), 4, SIZES(1, 2, 1)).ae_grad_sum.exists
 
 
-def _coded_axes(pol, shape):
+def _coded_axes(pol, shape, remat=False):
     """(axes the compiled train step sends coded (integer) payloads over, axes it
     sends anything over) for the tiny model on this mesh."""
     mesh = jmesh.make_mesh(shape)
@@ -67,27 +67,48 @@ def _coded_axes(pol, shape):
     batch = jax.ShapeDtypeStruct((16, 9), np.int32, sharding=NamedSharding(mesh, parallel.BATCH_SPEC))
     pl = messages.plan(pol, CFG.n_layers, dict(mesh.shape))
     fn = step.make_train_step(CFG, mesh, pol, pl, tx, shapes, microbatches=2, zero_stage=1,
-                              clip_norm=1.0)
+                              clip_norm=1.0, remat=remat)
     report = wire.measure_compiled(fn.lower(state, batch).compile(), mesh)
-    coded = {a for c in report.collectives for a in c.axes
-             if any(not dt.startswith(("f", "bf", "pred")) for dt, _, _ in c.parts)}
-    return pl, coded, {a for c in report.collectives for a in c.axes}
+    coded = {a for c in report.collectives for a in c.axes if _is_coded(c)}
+    return pl, coded, {a for c in report.collectives for a in c.axes}, report
 
 
-@pytest.mark.parametrize("overrides, shape", [
-    ({"data.grad": "int8", "tensor.act": "int8", "pipeline.act_grad": "int8"}, (2, 2, 2)),
-    ({"pipeline.act": "int8"}, (2, 2, 2)),
-    ({"data.grad": "int8", "tensor.act_grad": "int8", "pipeline.act": "int8"}, (8, 1, 1)),
+def _is_coded(c) -> bool:
+    return any(not dt.startswith(("f", "bf", "pred")) for dt, _, _ in c.parts)
+
+
+@pytest.mark.parametrize("overrides, shape, remat", [
+    ({"data.grad": "int8", "tensor.act": "int8", "pipeline.act_grad": "int8"}, (2, 2, 2), False),
+    ({"pipeline.act": "int8"}, (2, 2, 2), False),
+    ({"data.grad": "int8", "tensor.act_grad": "int8", "pipeline.act": "int8"}, (8, 1, 1), False),
+    # Remat recomputes the forward sends in the backward pass: they stay forward messages.
+    ({"tensor.act": "int8", "pipeline.act": "int8"}, (1, 2, 4), True),
 ])
-def test_compressed_messages_in_the_plan_are_the_coded_collectives_of_the_program(overrides,
-                                                                                  shape):
+def test_compressed_messages_in_the_plan_are_the_coded_collectives_of_the_program(
+        overrides, shape, remat):
     """The plan's compressed messages, by axis, are exactly the axes whose
     compiled collectives carry integer payloads; on (8, 1, 1) it lists data
     messages only, and the program sends over data only."""
     pol = jpolicy.preset("baseline").replace(overrides)
-    pl, coded, sent = _coded_axes(pol, shape)
+    pl, coded, sent, report = _coded_axes(pol, shape, remat)
     assert coded == {m.axis for m in pl.messages() if m.compressed()}
     assert sent == {m.axis for m in pl.messages()} | {
         a for a, n in zip(jpolicy.AXES, shape) if n > 1}
     listed = {e.split("=")[0].split(".")[0] for e in pl.describe().split()}
     assert listed == coded
+    # By message: the meter attributes each collective to the plan's message it
+    # was sent under (wire.message_scope). Every coded collective belongs to a
+    # compressed message of the plan, over that message's axis; every compressed
+    # message has coded collectives; an attributed collective names a message
+    # that exists. (A collective over no axis, a size-1 group, moves nothing; XLA
+    # keeps some, as a message that does not exist would have sent them.)
+    by_name = {m.name: m for m in pl.messages()}
+    for c in (c for c in report.collectives if c.axes):
+        if c.message:
+            assert c.message in by_name and c.axes == (by_name[c.message].axis,), (c, by_name)
+        if _is_coded(c):
+            assert c.message and by_name[c.message].compressed(), (c, report.table())
+    carried = {c.message for c in report.collectives if _is_coded(c)}
+    assert carried == {m.name for m in pl.messages() if m.compressed()}, report.table()
+    moving = wire.WireReport([c for c in report.collectives if c.axes])
+    assert set(moving.by_message()) - {""} <= set(by_name)
