@@ -56,7 +56,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jcomp import codecs as _codecs
 from jcomp.collectives import kernels
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES, bucketed
 from jcomp.collectives.feedback import psum_ef, psum_scatter_ef
