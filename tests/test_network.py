@@ -103,9 +103,12 @@ def test_kernel_bytes_on_a_throttled_link_track_the_meter(tmp_path):
     its first) / steps, off by how late those two readings came. The record of
     step 1, which carries the meter's figures, is the latest to appear on a
     loaded machine (measured there: 12% of a 0.2 s step), so the window starts
-    after step 2 and spans four steps (3-6; step 7 evaluates and is left out)."""
+    after step 2. Beside another test process, a reading can also come a tenth
+    of a second late at either end (measured: +12% over a four-step window), so
+    the window spans 13 steps (3-15; step 16 evaluates and is left out), which
+    divides that error by more than three at a few seconds' cost."""
     out = tmp_path / "network.json"
-    cmd = [sys.executable, str(SCRIPT), "--config", "configs/tiny.py", "--steps", "7",
+    cmd = [sys.executable, str(SCRIPT), "--config", "configs/tiny.py", "--steps", "16",
            "--warm-steps", "2", "--warmup-steps", "1", "--rates", "300mbit", "--policies",
            "baseline", "--ttl-rate", "", "--set", "model.d_model=128", "--set", "model.d_ff=256",
            "--xla-flags=--xla_backend_optimization_level=0", "--timeout", "120",
@@ -117,12 +120,12 @@ def test_kernel_bytes_on_a_throttled_link_track_the_meter(tmp_path):
     assert row["header_bytes_per_packet"] == 66
     meter = row["meter_bytes_per_step"]
     assert meter == pytest.approx(8 * row["wire_bytes_per_device"]["total"])
-    assert row["kernel_window_steps"] == [3, 4, 5, 6], row["kernel_window_steps"]
+    assert row["kernel_window_steps"] == list(range(3, 16)), row["kernel_window_steps"]
     assert 0.9 <= row["payload_over_meter"] <= 1.1, row
     assert row["kernel_bytes_per_step"] > row["tcp_payload_per_step"]
     bucket = 4 * 2**20  # tbf's burst (benchmarks/netns.py: "4mb", tc's 1024-based sizes)
     assert row["median_step_s"] >= 0.9 * (row["kernel_bytes_per_step"] - bucket) * 8 / 300e6, row
-    assert row["startup_bytes"] > 0 and len(row["losses"]) == 7
+    assert row["startup_bytes"] > 0 and len(row["losses"]) == 16
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert row["namespace"] not in listed.split(), listed
 
