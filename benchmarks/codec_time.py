@@ -32,15 +32,12 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parallel as bench_parallel  # noqa: E402  (benchmarks/parallel.py)
 
 from jcomp import mesh as jmesh  # noqa: E402
-from jcomp import model as gpt  # noqa: E402
-from jcomp import messages, optimizer, parallel, step  # noqa: E402
+from jcomp import parallel  # noqa: E402
 from jcomp import policy as policy_lib  # noqa: E402
 
 DEFAULTS = dict(repeats=11, d_model=128, layers=4, heads=4, d_ff=512, vocab=256, seq=128,
@@ -63,19 +60,9 @@ def variants(pol: policy_lib.Policy, entries=None) -> dict:
     return out
 
 
-def build(pol, cfg, mesh, tx, params, tokens_BxL1, microbatches):
-    state = step.init_state(params, mesh, tx, pol)
-    batch = jax.device_put(tokens_BxL1, NamedSharding(mesh, parallel.BATCH_SPEC))
-    plan = messages.plan(pol, cfg.n_layers, dict(mesh.shape))
-    fn = step.make_train_step(cfg, mesh, pol, plan, tx, jax.eval_shape(lambda: params),
-                              microbatches=microbatches, zero_stage=1, clip_norm=1.0)
-    return dict(exe=fn.lower(state, batch).compile(), state=state, batch=batch,
-                compression=plan.describe())
-
-
 def rows_of(names, built, times) -> list[dict]:
     base = statistics.median(times[0])
-    return [dict(variant=n, compression=b["compression"], median_s=statistics.median(t),
+    return [dict(variant=n, compression=b["plan"].describe(), median_s=statistics.median(t),
                  ratio=statistics.median(t) / base, added_ms=(statistics.median(t) - base) * 1e3,
                  times_s=t) for n, b, t in zip(names, built, times)]
 
@@ -108,18 +95,15 @@ def parse_args(argv=None):
     ap.add_argument("--entries", nargs="+", metavar="AXIS.KIND",
                     help="time only these entries alone (default: every compressing one)")
     ap.add_argument("--repeats", type=int, help="timed steps per variant (default 11)")
-    for name in ("d_model", "layers", "heads", "d_ff", "vocab", "seq", "batch"):
-        ap.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+    bench_parallel.add_model_args(ap)
     ap.add_argument("--json", default="benchmarks/results/codec_time.json")
     ap.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given")
     args = ap.parse_args(argv)
     for name, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name in ("repeats", "microbatches", "d_model", "layers", "heads", "d_ff", "vocab",
-                 "seq", "batch"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    bench_parallel.check_positive(args, ap, ("repeats", "microbatches")
+                                  + bench_parallel.MODEL_FIELDS)
     if math.prod(args.shape) != jax.device_count():
         ap.error(f"--shape must use all {jax.device_count()} devices; got "
                  + ",".join(map(str, args.shape)))
@@ -127,13 +111,11 @@ def parse_args(argv=None):
     for e in args.entries or ():
         if e not in known:
             ap.error(f"--entries: {e!r} names no message; allowed: {', '.join(known)}")
+    args.model = bench_parallel.model_config(args, ap)
     try:
-        args.model = gpt.ModelConfig(vocab_size=args.vocab, d_model=args.d_model,
-                                     n_heads=args.heads, n_layers=args.layers, d_ff=args.d_ff,
-                                     max_seq_len=args.seq)
         parallel.check_layout(args.model, dict(zip(jmesh.AXES, args.shape)), args.batch,
                               args.microbatches)
-    except (TypeError, ValueError) as e:
+    except ValueError as e:
         ap.error(str(e))
     return args
 
@@ -141,15 +123,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = args.model
-    mesh = jmesh.make_mesh(args.shape)
-    tx = optimizer.make_tx(lr=1e-3, warmup_steps=0, total_steps=1000, weight_decay=0.1,
-                           decay_mask=optimizer.decay_mask)
-    params = jax.tree.map(np.asarray, gpt.init_params(cfg, jax.random.key(0)))
-    tokens_BxL1 = np.random.default_rng(0).integers(
-        0, cfg.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)
+    tx, params, tokens_BxL1 = bench_parallel.inputs(cfg, args.batch, args.seq)
     pols = variants(policy_lib.preset(args.policy), args.entries)
-    built = [build(p, cfg, mesh, tx, params, tokens_BxL1, args.microbatches)
-             for p in pols.values()]
+    built = [bench_parallel.compile_step(p, args.shape, args.microbatches, cfg, tx, params,
+                                         tokens_BxL1) for p in pols.values()]
     _, times = bench_parallel.time_interleaved(built, args.repeats)
     rows = rows_of(list(pols), built, times)
     print(f"policy {args.policy} on mesh {args.shape}, M={args.microbatches}, model {cfg}, "

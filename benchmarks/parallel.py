@@ -107,19 +107,38 @@ def plan(shapes, policies, microbatches, cfg, batch, reference=True):
     return cases, skipped
 
 
-def build(case, cfg, tx, params, tokens_BxL1):
-    """Compiles one case. -> dict(exe, state, batch, report, param_bytes, opt_bytes)."""
-    shape = case["shape"]
+def inputs(cfg, batch: int, seq: int):
+    """-> (AdamW, host params, host tokens [batch, seq+1]) shared by every case.
+    Host copies: every case places its own, so donating one case's state cannot
+    delete buffers another case shares."""
+    tx = optimizer.make_tx(lr=1e-3, warmup_steps=0, total_steps=1000, weight_decay=0.1,
+                           decay_mask=optimizer.decay_mask)
+    params = jax.tree.map(np.asarray, gpt.init_params(cfg, jax.random.key(0)))
+    tokens_BxL1 = np.random.default_rng(0).integers(
+        0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
+    return tx, params, tokens_BxL1
+
+
+def compile_step(pol, shape, microbatches, cfg, tx, params, tokens_BxL1) -> dict:
+    """The ZeRO-1 train step of `pol` (a Policy) on a mesh of `shape`, compiled.
+    -> dict(exe, state, batch, mesh, plan)."""
     mesh = jmesh.make_mesh(shape, devices=jax.devices()[:math.prod(shape)])
-    pol = policy_lib.preset(case["policy"])
-    shapes = jax.eval_shape(lambda: params)
     state = step.init_state(params, mesh, tx, pol)
     batch = jax.device_put(tokens_BxL1, NamedSharding(mesh, parallel.BATCH_SPEC))
     plan = messages.plan(pol, cfg.n_layers, dict(mesh.shape))
-    fn = step.make_train_step(cfg, mesh, pol, plan, tx, shapes, microbatches=case["microbatches"],
-                              zero_stage=1, clip_norm=1.0)
-    exe = fn.lower(state, batch).compile()
-    return dict(exe=exe, state=state, batch=batch, report=wire.measure_compiled(exe, mesh),
+    fn = step.make_train_step(cfg, mesh, pol, plan, tx, jax.eval_shape(lambda: params),
+                              microbatches=microbatches, zero_stage=1, clip_norm=1.0)
+    return dict(exe=fn.lower(state, batch).compile(), state=state, batch=batch, mesh=mesh,
+                plan=plan)
+
+
+def build(case, cfg, tx, params, tokens_BxL1):
+    """Compiles one case. -> dict(exe, state, batch, report, param_bytes, opt_bytes)."""
+    run = compile_step(policy_lib.preset(case["policy"]), case["shape"], case["microbatches"],
+                       cfg, tx, params, tokens_BxL1)
+    state = run["state"]
+    return dict(exe=run["exe"], state=state, batch=run["batch"],
+                report=wire.measure_compiled(run["exe"], run["mesh"]),
                 param_bytes=step.device_bytes(state["params"]),
                 opt_bytes=step.device_bytes(state["zero"]))
 
@@ -244,8 +263,7 @@ def parse_args(argv=None):
                     help="'baseline' is always run: ratios and the bubble are taken against it")
     ap.add_argument("--microbatches", nargs="+", type=int, help="M for meshes with pipeline > 1")
     ap.add_argument("--repeats", type=int, help="timed steps per case (default 5)")
-    for name in ("d_model", "layers", "heads", "d_ff", "vocab", "seq", "batch"):
-        ap.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+    add_model_args(ap)
     ap.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
                     help="run the (data, tensor, 1) meshes behind the measured bubble "
                          "(default: on; off with --quick)")
@@ -258,9 +276,7 @@ def parse_args(argv=None):
     args.policies = ["baseline"] + [p for p in dict.fromkeys(args.policies) if p != "baseline"]
     args.shapes = list(dict.fromkeys(args.shapes))
     args.microbatches = list(dict.fromkeys(args.microbatches))
-    for name in ("repeats", "d_model", "layers", "heads", "d_ff", "vocab", "seq", "batch"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    check_positive(args, ap, ("repeats",) + MODEL_FIELDS)
     if min(args.microbatches) < 1:
         ap.error(f"--microbatches must be >= 1; got {args.microbatches}")
     n = jax.device_count()
@@ -268,13 +284,32 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"--shapes must use all {n} devices (data x tensor x pipeline = {n}); got "
                  + " ".join(",".join(map(str, s)) for s in bad))
+    args.model = model_config(args, ap)
+    return args, ap
+
+
+MODEL_FIELDS = ("d_model", "layers", "heads", "d_ff", "vocab", "seq", "batch")
+
+
+def add_model_args(ap):
+    """--d-model, --layers, --heads, --d-ff, --vocab, --seq, --batch (ints)."""
+    for name in MODEL_FIELDS:
+        ap.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+
+
+def check_positive(args, ap, names):
+    for name in names:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+
+
+def model_config(args, ap) -> gpt.ModelConfig:
+    """The model of the parsed MODEL_FIELDS; ap.error (exit 2) if it is invalid."""
     try:
-        args.model = gpt.ModelConfig(vocab_size=args.vocab, d_model=args.d_model,
-                                     n_heads=args.heads, n_layers=args.layers, d_ff=args.d_ff,
-                                     max_seq_len=args.seq)
+        return gpt.ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_heads=args.heads,
+                               n_layers=args.layers, d_ff=args.d_ff, max_seq_len=args.seq)
     except (TypeError, ValueError) as e:
         ap.error(f"model: {e}")
-    return args, ap
 
 
 def main(argv=None):
@@ -288,13 +323,7 @@ def main(argv=None):
         ap.error("no mesh shape and microbatch count fits the model and batch")
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices, "
           f"model {cfg}, batch {args.batch}, seq {args.seq}, repeats {args.repeats}", flush=True)
-    tx = optimizer.make_tx(lr=1e-3, warmup_steps=0, total_steps=1000, weight_decay=0.1,
-                           decay_mask=optimizer.decay_mask)
-    # Host copies: every case places its own, so donating one case's state
-    # cannot delete buffers another case shares.
-    params = jax.tree.map(np.asarray, gpt.init_params(cfg, jax.random.key(0)))
-    tokens_BxL1 = np.random.default_rng(0).integers(
-        0, cfg.vocab_size, (args.batch, args.seq + 1)).astype(np.int32)
+    tx, params, tokens_BxL1 = inputs(cfg, args.batch, args.seq)
     built = []
     for c in cases:
         t0 = time.perf_counter()
