@@ -28,7 +28,8 @@ Non-finite inputs are never turned into finite outputs: a NaN or Inf inside a
 quantization block makes that block decode to NaN/Inf.
 
 The package, by family: `base` (shapes, Identity, the 16-bit Casts),
-`blockwise` (IntQuant with its rotation, Fp8, `fit`), `sparse` (TopK, RandK)
+`blockwise` (IntQuant, Fp8, `fit`), `rotation` (the Hadamard
+transform of the `rot` quantizers), `sparse` (TopK, RandK)
 and `spec` (the NAME[:OPTION] grammar, free of the codecs). `parse` below
 reads a spec into one of them (`reader` for the byte codecs). `structured`
 holds the specs of the structured codecs (PowerSGD, the learned
@@ -42,8 +43,8 @@ from typing import Any
 
 from jcomp.codecs.base import Cast, Identity, Payload  # noqa: F401
 from jcomp.codecs.blockwise import (  # noqa: F401
-    DEFAULT_BLOCK, Fp8, IntQuant, _e4m3_bits, _e4m3_values, _fwht, _rotate, _unrotate,
-    block_options, fit)
+    DEFAULT_BLOCK, Fp8, IntQuant, _e4m3_bits, _e4m3_values, block_options, fit)
+from jcomp.codecs.rotation import _fwht, _rotate, _unrotate  # noqa: F401
 from jcomp.codecs.sparse import RandK, TopK, _num_kept, _top_k_indices  # noqa: F401
 from jcomp.codecs.reader import BYTE_CODECS, byte_codec, parse_byte, split  # noqa: F401
 from jcomp.codecs.spec import VALID_FORMS, _bad, _fraction_option, key_value_options  # noqa: F401
