@@ -12,9 +12,12 @@ gives lax's results bitwise, its leaves bucketed into a few messages.
 
 What travels is the codec's payload (one uint8 buffer per row: codes, scales
 and indices together), never a decoded full-precision array:
-  psum / pmean  all_to_all of coded chunks, float32 sum of the decoded chunks
-                on their owner, all_gather of the re-coded sums (sparse codecs
-                keep each chunk's top entries in both phases: 2F of the bytes)
+  psum / pmean  over 2 devices: all_gather of the coded rows, float32 sum of
+                both on each device (one collective, one quantization). Over
+                more: all_to_all of coded chunks, float32 sum of the decoded
+                chunks on their owner, all_gather of the re-coded sums (fewer
+                bytes than gathering every row once the axis passes 2). Sparse
+                codecs keep each row's (chunk's) top entries: 2F of the bytes
   psum_scatter  all_to_all of coded chunks, float32 sum
   all_gather    all_gather of the payload
   ppermute      ppermute of the payload

@@ -128,18 +128,42 @@ def chunk_len(codec, m: int, n: int) -> int:
 
 def plan(op: str, codec, rows: int, m: int, n: int, dtype):
     """The codec (fitted to the row length) `op` sends `rows` x `m` elements with,
-    or None where it cannot send fewer bytes than the raw elements."""
+    or None where it cannot send fewer bytes than the raw elements. (An
+    all-reduce chooses its form as well: `allreduce_plan`.)"""
     if codec.kind == "identity":
         return None
-    raw = rows * m * jnp.dtype(dtype).itemsize
-    if op == "allreduce":
-        c = chunk_len(codec, m, n)
-        fitted = _codecs.fit(codec, c)
-        coded = fitted.wire_bytes((n, c), dtype)
-    else:
-        fitted = _codecs.fit(codec, m)
-        coded = fitted.wire_bytes((rows, m), dtype)
-    return fitted if coded < raw else None
+    fitted = _codecs.fit(codec, m)
+    coded = fitted.wire_bytes((rows, m), dtype)
+    return fitted if coded < rows * m * jnp.dtype(dtype).itemsize else None
+
+
+def allreduce_plan(codec, m: int, n: int, dtype):
+    """(form, codec fitted to it) for an all-reduce of m elements over n devices, or
+    None where no form sends fewer bytes per device than lax.psum's 2(n-1)/n rows.
+
+      "owners"  all_to_all of n coded chunks, each owner sums its chunk and
+                all_gathers the coded sum: (n-1)/n of n coded chunks, twice.
+      "gather"  all_gather of every device's coded row, and every device sums
+                the n rows: (n-1) coded rows.
+
+    "gather" wins wherever it sends no more bytes: at n = 2 always (both send
+    one coded row), with one collective instead of two and one quantization
+    instead of two (the owners' re-coding of their sums is gone)."""
+    if codec.kind == "identity":
+        return None
+    c = chunk_len(codec, m, n)
+    owners = _codecs.fit(codec, c)
+    owners_bytes = (n - 1) / n * (owners.wire_bytes((n, c), dtype) + n * owners.wire_bytes((1, c), dtype))
+    gather = _codecs.fit(codec, m)
+    gather_bytes = (n - 1) * gather.wire_bytes((1, gather_len(gather, m)), dtype)
+    form, fitted, coded = (("gather", gather, gather_bytes) if gather_bytes <= owners_bytes
+                           else ("owners", owners, owners_bytes))
+    return (form, fitted) if coded < 2 * (n - 1) / n * m * jnp.dtype(dtype).itemsize else None
+
+
+def gather_len(codec, m: int) -> int:
+    """Elements per coded row of a "gather" all-reduce: m padded to whole blocks."""
+    return _round_up(m, codec.row_multiple)
 
 
 # ---------------------------------------------------------------- payloads
@@ -254,23 +278,47 @@ def _raw(op, codec, m, n, dtype, fn, *args):
 
 
 def allreduce(x_1xM, axes, codec, key, *, op="psum"):
-    """Sum over `axes` -> (1xM in x's dtype, 1xM f32 that this device's x was sent as).
-
-    Owners: device j sums chunk j of every device (all_to_all of coded chunks,
-    float32 sum), re-codes it and all_gathers the coded sums. Sparse codecs take
-    each chunk's top entries in both phases: 2F of the raw bytes at any n. A
-    rotated codec's owner sums and re-codes in the rotated basis: the rotation
-    runs on the sender's row and on the gathered sums only."""
+    """Sum over `axes` -> (1xM in x's dtype, 1xM f32 that this device's x was sent as),
+    in the form `allreduce_plan` picks. Sparse codecs send each row's (or chunk's)
+    top entries: 2F of the raw bytes at any n. A rotated codec sums in its rotated
+    basis: the rotation runs on the sender's row and once on the sum."""
     n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
-    fitted = plan("allreduce", codec, 1, m, n, dtype)
-    if fitted is None:
+    chosen = allreduce_plan(codec, m, n, dtype)
+    if chosen is None:
         return _raw(op, codec, m, n, dtype, lax.psum, x_1xM, axes), x_1xM.astype(jnp.float32)
-    c = chunk_len(codec, m, n)
+    form, fitted = chosen
+    if form == "gather":
+        return _allreduce_gathered(x_1xM, axes, fitted, key)
+    return _allreduce_owners(x_1xM, axes, fitted, key)
+
+
+def _padded_rows(x_1xM, rows: int, length: int):
     x_flat = x_1xM.reshape(-1)
-    if n * c != m:
-        x_flat = jnp.pad(x_flat, (0, n * c - m))
+    if rows * length != x_flat.shape[0]:
+        x_flat = jnp.pad(x_flat, (0, rows * length - x_flat.shape[0]))
+    return x_flat.reshape(rows, length)
+
+
+def _allreduce_gathered(x_1xM, axes, fitted, key):
+    """Every device all_gathers the coded rows and sums all n of them, in one order
+    on every device, so the sum is the same everywhere."""
+    n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
+    g = gather_len(fitted, m)
+    payload = encode(fitted, _padded_rows(x_1xM, 1, g), key)
+    total = _sum_rows(fitted, _all_gather(payload, axes, "invarying"), n, g)
+    # Only error feedback reads `sent`; elsewhere XLA removes its computation.
+    sent = decode(fitted, payload, 1, g, jnp.float32)
+    return total[None, :m].astype(dtype), sent[:, :m]
+
+
+def _allreduce_owners(x_1xM, axes, fitted, key):
+    """Device j sums chunk j of every device (all_to_all of coded chunks, float32
+    sum), re-codes it and all_gathers the coded sums; a rotated codec's owner sums
+    and re-codes in the rotated basis."""
+    n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
+    c = chunk_len(fitted, m, n)
     k1, k2 = _split(key)
-    payload = encode(fitted, x_flat.reshape(n, c), k1)
+    payload = encode(fitted, _padded_rows(x_1xM, n, c), k1)
     received = _all_to_all(payload, axes)
     if _in_basis(fitted):  # the owner's sum is coded again in the basis it came in
         own_B = _sum_in_basis(fitted, received, n)
@@ -283,7 +331,6 @@ def allreduce(x_1xM, axes, codec, key, *, op="psum"):
     total_GxC = decode(fitted, gathered, n, c, jnp.float32)
     # The owner also re-codes its sum; charging that error to the owner's row keeps
     # "sum of what was sent == total" exact, so error feedback repairs both phases.
-    # (Only error feedback reads `sent`; elsewhere XLA removes its computation.)
     me = lax.axis_index(axes)
     shortfall_C = lax.dynamic_index_in_dim(total_GxC, me, 0, keepdims=False) - own_C
     mine_Gx1 = (jnp.arange(n) == me)[:, None]
