@@ -4,7 +4,8 @@ its own measurements and checked against every other row of its sweep.
     profile = calibrate(rows, calibration_rate="100mbit")
     predict(profile, policy, rate_bits) -> {"additive": s, "overlapped": s}
 
-Inputs, per policy, from the unthrottled run only: its median step time C (the
+Every row is the median of its repeated runs (`combine`). Inputs, per policy,
+from the unthrottled row only: its median step time C (the
 compute, with a loopback that is fast next to it), the kernel's bytes per
 step K (headers included: tbf meters whole packets) and the collectives per
 step M that jcomp.wire counts in the compiled step. The link: beta = the tbf
@@ -46,11 +47,43 @@ def _rate_bits(rate: str):
 
 def sweep_rows(network: dict, commit: str | None = None) -> list[dict]:
     """The successful sweep rows of network.json (of `commit`, or of the newest
-    commit with the most of them: a rerun after a change replaces the old sweep)."""
+    commit with the most of them: a rerun after a change replaces the old sweep),
+    one per rate and policy: `combine` of its repeated runs."""
     rows = [r for r in network["rows"] if r["settings"]["kind"] == "sweep" and "error" not in r]
     if commit is None and rows:
         commit = main_commit(rows)
-    return [r for r in rows if r["commit"] == commit]
+    runs = {}
+    for r in rows:
+        if r["commit"] == commit:
+            runs.setdefault((r["settings"]["rate"], r["settings"]["policy"]), []).append(r)
+    return [combine(rs) for rs in runs.values()]
+
+
+def _median(values):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def combine(runs: list[dict]) -> dict:
+    """One row from the repeated runs of one rate and policy: the median of their
+    median step times and of their kernel and payload bytes per step (the step's
+    bytes are the same in every run; its time is not), with every run's median
+    step time kept in `repeat_step_s`. The rest (losses, meter bytes) is the first
+    run's: training is deterministic."""
+    runs = sorted(runs, key=lambda r: r["settings"].get("repeat", 0))
+    row = dict(runs[0], settings={k: v for k, v in runs[0]["settings"].items() if k != "repeat"})
+    row["repeats"] = len(runs)
+    row["repeat_step_s"] = [r["median_step_s"] for r in runs]
+    row["median_step_s"] = _median(row["repeat_step_s"])
+    meter = row.get("meter_bytes_per_step")
+    for key, ratio in (("kernel_bytes_per_step", "kernel_over_meter"),
+                       ("tcp_payload_per_step", "payload_over_meter")):
+        row[key] = _median(r.get(key) for r in runs)
+        row[ratio] = row[key] / meter if row[key] is not None and meter else None
+    return row
 
 
 def main_commit(rows: list[dict]) -> str:

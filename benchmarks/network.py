@@ -3,7 +3,7 @@ a private network namespace whose loopback is rate-limited by tc's token bucket.
 
     python benchmarks/network.py [--procs 2] [--config configs/base.py] [--steps 14]
         [--rates unthrottled 1gbit 300mbit 100mbit] [--policies baseline naive hybrid best]
-        [--ttl-rate 100mbit] [--ttl-steps 28] [--out benchmarks/results/network.json]
+        [--repeats 3] [--ttl-rate 100mbit] [--ttl-steps 28] [--out benchmarks/results/network.json]
         [--set train.batch_size=16 ...] [--timeout 900]
 
 Needs root and iproute2 (`ip`, `tc`); without them it prints one line and exits 2.
@@ -37,6 +37,10 @@ row (rate x policy) it records:
   - the collectives per step jcomp.wire counts (metrics' wire_collectives;
     --count-collectives adds it to rows recorded before it was logged);
   - losses per step and validation losses.
+Every row runs --repeats times, repeat-major (every rate and policy once, then
+again), so that a slow minute on this shared machine lands on one run of each
+row rather than on all runs of one; linkprofile.py reads a row as the median
+of its runs, and the report shows their spread.
 Time to the baseline's loss: at --ttl-rate every policy, the baseline too,
 runs again for --ttl-steps steps, evaluating every --ttl-eval-every steps; the
 training time (sum of step times, evaluation excluded) until the first
@@ -240,8 +244,9 @@ def plan(args) -> list[dict]:
     """Every row's settings, sweep rows first, then the time-to-loss rows."""
     common = dict(procs=args.procs, config=args.config, warmup_steps=args.warmup_steps,
                   set=dict(args.set))
-    rows = [dict(common, kind="sweep", rate=r, policy=p, steps=args.steps, eval_every=args.steps)
-            for r in args.rates for p in args.policies]
+    rows = [dict(common, kind="sweep", rate=r, policy=p, steps=args.steps, eval_every=args.steps,
+                 repeat=i)
+            for i in range(args.repeats) for r in args.rates for p in args.policies]
     if args.ttl_rate:
         rows += [dict(common, kind="ttl", rate=args.ttl_rate, policy=p, steps=args.ttl_steps,
                       eval_every=args.ttl_eval_every)
@@ -403,6 +408,7 @@ def parse_args(argv):
     p.add_argument("--warm-steps", type=int, default=2, help="first steps left out of medians")
     p.add_argument("--warmup-steps", type=int, default=2, help="optim.warmup_steps of every run")
     p.add_argument("--rates", nargs="+", default=["unthrottled", "1gbit", "300mbit", "100mbit"])
+    p.add_argument("--repeats", type=int, default=3, help="runs of every sweep row")
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
     p.add_argument("--ttl-rate", default="100mbit", help="'' for no time-to-loss runs")
     p.add_argument("--ttl-steps", type=int, default=None, help="default: 2 x --steps")
@@ -419,7 +425,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.procs not in (2, 4):
         p.error(f"--procs must be 2 or 4; got {args.procs}")
-    for name in ("steps", "ttl_eval_every", "timeout"):
+    for name in ("steps", "repeats", "ttl_eval_every", "timeout"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0; got {getattr(args, name)}")
     if not 0 <= args.warm_steps < args.steps - 1:

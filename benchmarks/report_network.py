@@ -30,6 +30,27 @@ def _main_commit(net: dict) -> str | None:
     return main_commit(rows) if rows else None
 
 
+def _sweep(net: dict, commit: str) -> list[dict]:
+    from linkprofile import sweep_rows  # beside this module
+
+    return sweep_rows(net, commit)
+
+
+def _runs_phrase(sweep) -> str:
+    counts = sorted({r.get("repeats", 1) for r in sweep})
+    if counts == [1]:
+        return "one run per row"
+    n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return (f"each row the median of {n} runs, made repeat-major (runs: the range of the "
+            "runs' medians, and their count)")
+
+
+def _spread(r) -> str:
+    """The run medians' range and count of a combined row."""
+    runs = r.get("repeat_step_s") or [r["median_step_s"]]
+    return f"{min(runs):.3f}-{max(runs):.3f} ({len(runs)})" if len(runs) > 1 else "1 run"
+
+
 def earlier_sweeps(net: dict) -> str:
     """Step time and meter bytes of every commit's sweep side by side, oldest first:
     what a change to the collectives did on the same link."""
@@ -37,6 +58,7 @@ def earlier_sweeps(net: dict) -> str:
     commits = list(dict.fromkeys(r["commit"] for r in sorted(rows, key=lambda r: r["date"])))
     if len(commits) < 2:
         return ""
+    rows = [r for c in commits for r in _sweep(net, c)]
     by = {(r["commit"], r["settings"]["rate"], r["settings"]["policy"]): r for r in rows}
     keys = list(dict.fromkeys((r["settings"]["rate"], r["settings"]["policy"]) for r in rows))
     base = lambda c, rate: by.get((c, rate, "baseline"))
@@ -71,6 +93,7 @@ def commands(net: dict) -> list[str]:
         line = (f"python benchmarks/network.py --procs {s['procs']} --config {s['config']} "
                 f"--steps {s['steps']} --warmup-steps {s['warmup_steps']} --rates "
                 f"{uniq('rate', sweep)} --policies {uniq('policy', sweep)}")
+        line += f" --repeats {max(r.get('repeat', 0) for r in sweep) + 1}"
         line += "".join(f" --set {k}={v}" for k, v in s["set"].items())
         line += (f" --ttl-rate {ttl[0]['rate']} --ttl-steps {ttl[0]['steps']} --ttl-eval-every "
                  f"{ttl[0]['eval_every']}" if ttl else " --ttl-rate ''")
@@ -96,7 +119,7 @@ def network_section(net: dict, link: dict | None) -> tuple[str, list[str]]:
     if commit is None:
         return "No successful network.py run yet.", []
     rows = _rows(net, commit)
-    sweep = [r for r in rows if r["settings"]["kind"] == "sweep"]
+    sweep = _sweep(net, commit)
     s0 = sweep[0]["settings"]
     base = {r["settings"]["rate"]: r["median_step_s"] for r in sweep
             if r["settings"]["policy"] == "baseline"}
@@ -112,7 +135,8 @@ def network_section(net: dict, link: dict | None) -> tuple[str, list[str]]:
                  "today's hybrid preset has not been swept on this link yet.")
     out = [f"`{cmd}`: {s0['procs']} processes x {8 // s0['procs']} CPU devices of "
            f"{s0['config']} on its (2, 2, 2) mesh, {s0['steps']} steps per run, medians over "
-           f"steps after the first {net.get('warm_steps', 2)}; every collective crosses the "
+           f"steps after the first {net.get('warm_steps', 2)}; "
+           + _runs_phrase(sweep) + "; every collective crosses the "
            f"namespace's loopback (gloo over TCP), throttled by tc tbf. Commit {commit[:7]}, "
            f"{dates[0]} to {dates[-1]}, on a 2-core machine shared with other work (load "
            f"average {min(r['loadavg_before'] for r in rows):.1f}-"
@@ -123,7 +147,7 @@ def network_section(net: dict, link: dict | None) -> tuple[str, list[str]]:
            "less 66 header bytes per packet. Predicted: benchmarks/linkprofile.py's overlapped "
            "model (compute and transfer overlap), calibrated on the unthrottled rows and the "
            "baseline at the calibration rate; additive: the same inputs with no overlap.", ""]
-    header = ["link", "policy", "step s", "vs baseline", "kernel MB/step", "meter MB/step",
+    header = ["link", "policy", "step s", "runs", "vs baseline", "kernel MB/step", "meter MB/step",
               "kernel/meter", "payload/meter", "predicted s", "pred/meas", "additive pred/meas",
               "final loss", "final val_loss"]
     table = []
@@ -131,7 +155,7 @@ def network_section(net: dict, link: dict | None) -> tuple[str, list[str]]:
         s = r["settings"]
         p = pred.get((s["rate"], s["policy"]))
         role = f" ({p['role']})" if p and p["role"] != "predicted" else ""
-        table.append([s["rate"], s["policy"], _f(r["median_step_s"], ".3f"),
+        table.append([s["rate"], s["policy"], _f(r["median_step_s"], ".3f"), _spread(r),
                       _f(r["median_step_s"] / base[s["rate"]], ".2f") if s["rate"] in base else "n/a",
                       _f(r["kernel_bytes_per_step"] / 1e6, ".2f"), _f(r["meter_bytes_per_step"] / 1e6, ".2f"),
                       _f(r["kernel_over_meter"], ".3f"), _f(r.get("payload_over_meter"), ".3f"),
@@ -251,8 +275,9 @@ def _where_off(checked, prof) -> list[str]:
             "are set by bytes / rate alone (tbf meters whole packets, so the kernel's bytes, "
             "headers included, are the ones that count); the latency term is "
             f"{prof['alpha_s']['overlapped'] * 1e3:.3f} ms per collective, negligible here. "
-            "The compute-bound rows inherit the noise of the single unthrottled run they are "
-            "predicted from, on a machine shared with other work; rows near the balance of "
+            "The compute-bound rows inherit the noise of the unthrottled row they are "
+            "predicted from (the runs column gives its spread), on a machine shared with "
+            "other work; rows near the balance of "
             "compute and transfer (1 Gbit/s for the baseline) also pay for overlap being "
             "partial. The additive model is off most where compute and transfer are both "
             "large: it adds what these 8 device threads on 2 cores do at the same time (gloo "

@@ -48,6 +48,21 @@ def test_rates_parse_in_tc_units():
             net.rate_bits(bad)
 
 
+def test_sweep_runs_every_row_repeat_major():
+    """--repeats 2: every rate and policy once, then again, so that a slow spell
+    of the machine falls on one run of several rows rather than on every run of
+    one; the time-to-loss runs come once, after them."""
+    args = net.parse_args(["--rates", "unthrottled", "100mbit", "--policies", "baseline",
+                           "hybrid", "--repeats", "2"])
+    order = [(s["kind"], s.get("repeat"), s["rate"], s["policy"]) for s in net.plan(args)]
+    sweep = [(i, r, p) for i in (0, 1) for r in ("unthrottled", "100mbit")
+             for p in ("baseline", "hybrid")]
+    assert order == ([("sweep",) + key for key in sweep]
+                     + [("ttl", None, "100mbit", p) for p in ("baseline", "hybrid")])
+    with pytest.raises(SystemExit):
+        net.parse_args(["--repeats", "0"])
+
+
 def test_missing_tools_give_one_line_and_exit_2(tmp_path):
     out = tmp_path / "network.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], cwd=ROOT,
@@ -109,7 +124,7 @@ def test_kernel_bytes_on_a_throttled_link_track_the_meter(tmp_path):
     divides that error by more than three at a few seconds' cost."""
     out = tmp_path / "network.json"
     cmd = [sys.executable, str(SCRIPT), "--config", "configs/tiny.py", "--steps", "16",
-           "--warm-steps", "2", "--warmup-steps", "1", "--rates", "300mbit", "--policies",
+           "--warm-steps", "2", "--warmup-steps", "1", "--rates", "300mbit", "--repeats", "1", "--policies",
            "baseline", "--ttl-rate", "", "--set", "model.d_model=128", "--set", "model.d_ff=256",
            "--xla-flags=--xla_backend_optimization_level=0", "--timeout", "120",
            "--workroot", str(tmp_path / "runs"), "--out", str(out)]

@@ -209,6 +209,30 @@ def test_overlapped_model_predicts_its_own_world_and_additive_does_not():
     assert {r["role"] for r in compared if r["rate"] == "unthrottled"} == {"compute"}
 
 
+def test_a_row_is_the_median_of_its_repeated_runs():
+    """Repeated runs of one rate and policy count once, as the median of their step
+    times and kernel bytes; a slow outlier run moves neither."""
+    rows = _world(COMPUTE, KBYTES, MSGS, 1e-4)
+    repeated = []
+    for r in rows:
+        for i, (slow, extra) in enumerate(((1.0, 0.0), (1.5, 2e6), (0.98, -1e6))):
+            repeated.append(dict(r, settings=dict(r["settings"], repeat=i), meter_bytes_per_step=1e6,
+                                 median_step_s=r["median_step_s"] * slow,
+                                 kernel_bytes_per_step=r["kernel_bytes_per_step"] + extra))
+    combined = link.sweep_rows({"rows": repeated})
+    assert len(combined) == len(rows)
+    by = {(r["settings"]["rate"], r["settings"]["policy"]): r for r in combined}
+    for r in rows:
+        c = by[r["settings"]["rate"], r["settings"]["policy"]]
+        assert "repeat" not in c["settings"] and c["repeats"] == 3
+        assert c["median_step_s"] == pytest.approx(r["median_step_s"])
+        assert c["repeat_step_s"] == pytest.approx([r["median_step_s"] * f for f in (1.0, 1.5, 0.98)])
+        assert c["kernel_bytes_per_step"] == r["kernel_bytes_per_step"]
+        assert c["kernel_over_meter"] == pytest.approx(r["kernel_bytes_per_step"] / 1e6)
+    compared = link.link_report({"rows": repeated})["rows"]
+    assert all(x["ratio"]["overlapped"] == pytest.approx(1.0) for x in compared)
+
+
 def test_crossover_measured_and_predicted_by_hand():
     rows = _world(COMPUTE, KBYTES, MSGS, 1e-4)
     prof = link.calibrate(rows, "100mbit")
