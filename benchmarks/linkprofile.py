@@ -30,6 +30,7 @@ predicted, where the model's two step times are equal (bisection on the rate).
 from __future__ import annotations
 
 import math
+import statistics
 
 MODELS = ("additive", "overlapped")
 
@@ -60,11 +61,9 @@ def sweep_rows(network: dict, commit: str | None = None) -> list[dict]:
 
 
 def _median(values):
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    """statistics.median of the values that are not None; None if there are none."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def combine(runs: list[dict]) -> dict:

@@ -11,7 +11,8 @@ varies over):
   exchange(x_GxM)        -> GxM (row i from device i)
 
 `plan(...)` decides, from static shapes alone, whether the codec sends fewer
-bytes than the uncompressed rows. Where it cannot, the kernel runs the
+bytes than the uncompressed rows (`allreduce_plan(...)` for an all-reduce, which
+also picks between its two forms). Where it cannot, the kernel runs the
 `jax.lax` op on the raw rows inside a `jax.named_scope` named
 `RAW_SCOPE.format(codec)`, which the compiled program keeps in each
 instruction's metadata (`jcomp.wire` reports those collectives as raw), and
@@ -126,10 +127,10 @@ def chunk_len(codec, m: int, n: int) -> int:
     return _round_up(per_owner, _codecs.fit(codec, per_owner).row_multiple)
 
 
-def plan(op: str, codec, rows: int, m: int, n: int, dtype):
-    """The codec (fitted to the row length) `op` sends `rows` x `m` elements with,
-    or None where it cannot send fewer bytes than the raw elements. (An
-    all-reduce chooses its form as well: `allreduce_plan`.)"""
+def plan(codec, rows: int, m: int, dtype):
+    """The codec (fitted to the row length) a collective sends `rows` x `m`
+    elements with, or None where it cannot send fewer bytes than the raw
+    elements. (An all-reduce chooses its form as well: `allreduce_plan`.)"""
     if codec.kind == "identity":
         return None
     fitted = _codecs.fit(codec, m)
@@ -138,13 +139,15 @@ def plan(op: str, codec, rows: int, m: int, n: int, dtype):
 
 
 def allreduce_plan(codec, m: int, n: int, dtype):
-    """(form, codec fitted to it) for an all-reduce of m elements over n devices, or
-    None where no form sends fewer bytes per device than lax.psum's 2(n-1)/n rows.
+    """(form, codec fitted to it, elements per coded row) for an all-reduce of m
+    elements over n devices, or None where no form sends fewer bytes per device
+    than lax.psum's 2(n-1)/n rows.
 
-      "owners"  all_to_all of n coded chunks, each owner sums its chunk and
-                all_gathers the coded sum: (n-1)/n of n coded chunks, twice.
-      "gather"  all_gather of every device's coded row, and every device sums
-                the n rows: (n-1) coded rows.
+      "owners"  all_to_all of n coded chunks (rows of `chunk_len`), each owner
+                sums its chunk and all_gathers the coded sum: (n-1)/n of n coded
+                chunks, twice.
+      "gather"  all_gather of every device's coded row (m padded to whole
+                blocks), and every device sums the n rows: (n-1) coded rows.
 
     "gather" wins wherever it sends no more bytes: at n = 2 always (both send
     one coded row), with one collective instead of two and one quantization
@@ -153,17 +156,16 @@ def allreduce_plan(codec, m: int, n: int, dtype):
         return None
     c = chunk_len(codec, m, n)
     owners = _codecs.fit(codec, c)
-    owners_bytes = (n - 1) / n * (owners.wire_bytes((n, c), dtype) + n * owners.wire_bytes((1, c), dtype))
+    owners_bytes = (n - 1) / n * (owners.wire_bytes((n, c), dtype)
+                                  + n * owners.wire_bytes((1, c), dtype))
     gather = _codecs.fit(codec, m)
-    gather_bytes = (n - 1) * gather.wire_bytes((1, gather_len(gather, m)), dtype)
-    form, fitted, coded = (("gather", gather, gather_bytes) if gather_bytes <= owners_bytes
-                           else ("owners", owners, owners_bytes))
-    return (form, fitted) if coded < 2 * (n - 1) / n * m * jnp.dtype(dtype).itemsize else None
-
-
-def gather_len(codec, m: int) -> int:
-    """Elements per coded row of a "gather" all-reduce: m padded to whole blocks."""
-    return _round_up(m, codec.row_multiple)
+    g = _round_up(m, gather.row_multiple)
+    gather_bytes = (n - 1) * gather.wire_bytes((1, g), dtype)
+    form, fitted, length, coded = (("gather", gather, g, gather_bytes)
+                                   if gather_bytes <= owners_bytes
+                                   else ("owners", owners, c, owners_bytes))
+    raw = 2 * (n - 1) / n * m * jnp.dtype(dtype).itemsize
+    return (form, fitted, length) if coded < raw else None
 
 
 # ---------------------------------------------------------------- payloads
@@ -286,10 +288,10 @@ def allreduce(x_1xM, axes, codec, key, *, op="psum"):
     chosen = allreduce_plan(codec, m, n, dtype)
     if chosen is None:
         return _raw(op, codec, m, n, dtype, lax.psum, x_1xM, axes), x_1xM.astype(jnp.float32)
-    form, fitted = chosen
+    form, fitted, length = chosen
     if form == "gather":
-        return _allreduce_gathered(x_1xM, axes, fitted, key)
-    return _allreduce_owners(x_1xM, axes, fitted, key)
+        return _allreduce_gathered(x_1xM, axes, fitted, length, key)
+    return _allreduce_owners(x_1xM, axes, fitted, length, key)
 
 
 def _padded_rows(x_1xM, rows: int, length: int):
@@ -299,11 +301,10 @@ def _padded_rows(x_1xM, rows: int, length: int):
     return x_flat.reshape(rows, length)
 
 
-def _allreduce_gathered(x_1xM, axes, fitted, key):
-    """Every device all_gathers the coded rows and sums all n of them, in one order
-    on every device, so the sum is the same everywhere."""
+def _allreduce_gathered(x_1xM, axes, fitted, g, key):
+    """Every device all_gathers the coded rows (g elements each) and sums all n of
+    them, in one order on every device, so the sum is the same everywhere."""
     n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
-    g = gather_len(fitted, m)
     payload = encode(fitted, _padded_rows(x_1xM, 1, g), key)
     total = _sum_rows(fitted, _all_gather(payload, axes, "invarying"), n, g)
     # Only error feedback reads `sent`; elsewhere XLA removes its computation.
@@ -311,12 +312,11 @@ def _allreduce_gathered(x_1xM, axes, fitted, key):
     return total[None, :m].astype(dtype), sent[:, :m]
 
 
-def _allreduce_owners(x_1xM, axes, fitted, key):
-    """Device j sums chunk j of every device (all_to_all of coded chunks, float32
-    sum), re-codes it and all_gathers the coded sums; a rotated codec's owner sums
-    and re-codes in the rotated basis."""
+def _allreduce_owners(x_1xM, axes, fitted, c, key):
+    """Device j sums chunk j (c elements) of every device (all_to_all of coded
+    chunks, float32 sum), re-codes it and all_gathers the coded sums; a rotated
+    codec's owner sums and re-codes in the rotated basis."""
     n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
-    c = chunk_len(fitted, m, n)
     k1, k2 = _split(key)
     payload = encode(fitted, _padded_rows(x_1xM, n, c), k1)
     received = _all_to_all(payload, axes)
@@ -343,7 +343,7 @@ def _allreduce_owners(x_1xM, axes, fitted, key):
 def reduce_scatter(x_GxM, axes, codec, key, *, op="psum_scatter"):
     """Row j of every device's x_GxM summed onto device j -> (1xM f32, sent GxM f32)."""
     n, m, dtype = x_GxM.shape[0], x_GxM.shape[1], x_GxM.dtype
-    fitted = plan("reduce_scatter", codec, n, m, n, dtype)
+    fitted = plan(codec, n, m, dtype)
     if fitted is None:
         total = _raw(op, codec, m, n, dtype, lambda a: lax.psum_scatter(a, axes, scatter_dimension=0,
                                                            tiled=True), x_GxM)
@@ -356,7 +356,7 @@ def reduce_scatter(x_GxM, axes, codec, key, *, op="psum_scatter"):
 def gather(x_1xM, axes, codec, key, to, *, op="all_gather"):
     """Every device's row -> GxM of x's dtype; invariant over `axes` if to="invarying"."""
     n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
-    fitted = plan("gather", codec, 1, m, n, dtype)
+    fitted = plan(codec, 1, m, dtype)
     if fitted is None:
         return _raw(op, codec, m, n, dtype, lambda a: lax.all_gather(a, axes, axis=0, tiled=True, to=to),
                     x_1xM)
@@ -365,7 +365,7 @@ def gather(x_1xM, axes, codec, key, to, *, op="all_gather"):
 
 def permute(x_1xM, axes, codec, key, perm, *, op="ppermute"):
     n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
-    fitted = plan("permute", codec, 1, m, n, dtype)
+    fitted = plan(codec, 1, m, dtype)
     if fitted is None:
         return _raw(op, codec, m, n, dtype, lax.ppermute, x_1xM, axes, perm)
     moved = _send(encode(fitted, x_1xM, key), lambda a: lax.ppermute(a, axes, perm))
@@ -374,7 +374,7 @@ def permute(x_1xM, axes, codec, key, perm, *, op="ppermute"):
 
 def exchange(x_GxM, axes, codec, key, *, op="all_to_all"):
     n, m, dtype = x_GxM.shape[0], x_GxM.shape[1], x_GxM.dtype
-    fitted = plan("exchange", codec, n, m, n, dtype)
+    fitted = plan(codec, n, m, dtype)
     if fitted is None:
         return _raw(op, codec, m, n, dtype, lambda a: lax.all_to_all(a, axes, 0, 0, tiled=True), x_GxM)
     return decode(fitted, _all_to_all(encode(fitted, x_GxM, key), axes), n, m, dtype)
