@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 # Rotation. A randomized Hadamard transform, H D / sqrt(BL) with D a fixed +-1
@@ -50,23 +51,45 @@ def _butterflies(y, lead):
     return y
 
 
+def _hadamard(n: int):
+    """The n x n Sylvester Hadamard matrix, entry (i, j) = (-1)**popcount(i & j),
+    a trace-time constant."""
+    import numpy as np
+
+    bits = np.bitwise_and.outer(np.arange(n), np.arange(n))
+    parity = np.zeros_like(bits)
+    while bits.any():
+        parity ^= bits & 1
+        bits >>= 1
+    return jnp.asarray(1.0 - 2.0 * parity, jnp.float32)
+
+
+# The low index bits of a block go through one matrix product with H_LO, the rest
+# through butterflies. H_BL = H_HI (x) H_LO (Sylvester order), so the two parts
+# compose to the whole transform. On XLA:CPU a product with H_32 (64 flops per
+# element, a plain GEMM) beat the butterflies of the same 5 bits, which pair
+# elements closer than a vector apart: in configs/base.py's hybrid step the
+# rotation's time fell by a fifth.
+_LO = 32
+
+
 def _fwht(x_RxNBxBL):
     """Orthonormal fast Walsh-Hadamard transform along the last axis (a power of
-    two, BL), its own inverse, with no BL x BL matrix.
+    two, BL), its own inverse, with no BL x BL matrix: the block as an HI x LO
+    matrix (LO = min(BL, 32)), a product with H_LO along its rows, then radix-8
+    butterflies along its columns, whose slices are LO contiguous elements.
 
-    A block of BL = HI * LO (LO <= 8) is an HI x LO matrix; the transform is
-    that of its low index bits followed by that of its high bits. The low bits'
-    butterflies run on the transposed block, so that every butterfly of both
-    passes adds contiguous runs of elements. On XLA:CPU, 1M elements in blocks of
-    256 took 0.6x the time of log2(BL) radix-2 passes along the last axis,
-    whose first passes pair neighbours. The additions are those of the radix-2
-    passes, in their order: the values are the same, bit for bit."""
+    The product runs at Precision.HIGHEST, so that a GPU does not round the
+    operands to TF32: the transform stays within float32 rounding of the exact
+    one (the tests compare it with the dense matrix and with radix-2 passes)."""
     b = x_RxNBxBL.shape[-1]
     lead = x_RxNBxBL.shape[:-1]
-    hi = max(b // 8, 1)
-    y = jnp.swapaxes(x_RxNBxBL.reshape(*lead, hi, b // hi), -1, -2)
-    y = jnp.swapaxes(_butterflies(y, lead), -1, -2)
-    return _butterflies(y, lead).reshape(*lead, b) * (1.0 / math.sqrt(b))
+    lo = min(b, _LO)
+    y = jnp.matmul(x_RxNBxBL.reshape(-1, lo), _hadamard(lo),
+                   precision=jax.lax.Precision.HIGHEST).reshape(*lead, b // lo, lo)
+    if b > lo:
+        y = _butterflies(y, lead)
+    return y.reshape(*lead, b) * (1.0 / math.sqrt(b))
 
 
 def _rotate(x_RxNBxBL):
