@@ -78,8 +78,8 @@ TOTAL_DEVICES = 8
 POLICIES = {  # name -> config.compression overrides
     "baseline": {"policy": "baseline"},
     "naive": {"policy": "naive"},
-    # The preset: before commit HYBRID_PRESET_COMMIT (see report_network.py) it was
-    # the paper's recipe, so the sweep rows recorded before it are hybrid_paper's.
+    # The preset of the commit that runs it: report_network.HYBRID_PRESETS says what
+    # it was at each commit (before 3c5f7d1, the paper's recipe, now hybrid_paper).
     "hybrid": {"policy": "hybrid"},
     # The 200-step runs' best setting, which meets both targets at a quarter of the
     # bytes: the paper's recipe with int8 gradients and int4 tensor act_grad.

@@ -74,8 +74,9 @@ def earlier_sweeps(net: dict) -> str:
         cells.append(row)
     header = ["link", "policy"] + [f"{h} @{c[:7]}" for c in commits
                                    for h in ("step s", "vs baseline", "meter MB")]
-    return ("Every commit's sweep side by side (the same command; oldest first):\n\n"
-            + _table(header, cells))
+    ran = "; ".join(f"@{c[:7]} {hybrid_at(c)}" for c in commits)
+    return ("Every commit's sweep side by side (the same command; oldest first). The rows "
+            f"named hybrid ran each commit's preset: {ran}.\n\n" + _table(header, cells))
 
 
 def commands(net: dict) -> list[str]:
@@ -101,16 +102,29 @@ def commands(net: dict) -> list[str]:
     return out
 
 
-# From this commit on, the hybrid preset is the seeds suite's best setting; before
-# it, the CCGrid 2024 recipe (now hybrid_paper).
-HYBRID_PRESET_COMMIT = "3c5f7d1"
+# What the hybrid preset was, by the commit that set it (oldest first); before the
+# first, the CCGrid 2024 recipe (now hybrid_paper).
+HYBRID_PRESETS = (
+    ("3c5f7d1", "the seeds suite's hybrid_rot4_grad_rot4 (int4:rot on gradients and on "
+                "tensor and pipeline activations, int8 parameter gathers)"),
+    ("2242b6e", "today's (as 3c5f7d1's, with int8 on pipeline sends)"),
+)
 
 
-def _has_new_hybrid(commit: str) -> bool:
-    proc = subprocess.run(["git", "merge-base", "--is-ancestor", HYBRID_PRESET_COMMIT, commit],
+def _is_ancestor(ancestor: str, commit: str) -> bool:
+    proc = subprocess.run(["git", "merge-base", "--is-ancestor", ancestor, commit],
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           capture_output=True)
     return proc.returncode == 0
+
+
+def hybrid_at(commit: str) -> str:
+    """What the rows named hybrid ran at `commit`."""
+    ran = "the CCGrid 2024 recipe, now hybrid_paper (int4 gradients with error feedback, int8 elsewhere)"
+    for since, what in HYBRID_PRESETS:
+        if _is_ancestor(since, commit):
+            ran = what
+    return ran
 
 
 def network_section(net: dict, link: dict | None) -> tuple[str, list[str]]:
@@ -129,9 +143,8 @@ def network_section(net: dict, link: dict | None) -> tuple[str, list[str]]:
     dates = sorted(r["date"] for r in rows)
     cmd = next(c for c in commands(net) if c.endswith(commit[:7])).split("  #")[0]
     paper = ""
-    if not _has_new_hybrid(commit):
-        paper = (" The rows named hybrid ran the preset of that commit, the CCGrid 2024 recipe "
-                 "now named hybrid_paper (int4 gradients with error feedback, int8 elsewhere); "
+    if not _is_ancestor(HYBRID_PRESETS[-1][0], commit):
+        paper = (f" The rows named hybrid ran the preset of that commit, {hybrid_at(commit)}; "
                  "today's hybrid preset has not been swept on this link yet.")
     out = [f"`{cmd}`: {s0['procs']} processes x {8 // s0['procs']} CPU devices of "
            f"{s0['config']} on its (2, 2, 2) mesh, {s0['steps']} steps per run, medians over "

@@ -178,3 +178,21 @@ def test_an_interrupted_sweep_kills_its_runs_and_removes_its_namespace(tmp_path,
         except OSError:
             pass
     assert not alive, f"train.py processes left running: {alive}"
+
+
+def test_the_report_names_what_the_hybrid_rows_ran_at_each_commit():
+    """The hybrid preset changed twice; a sweep's hybrid rows are labelled with the
+    preset of the commit that ran them, not today's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_report_network",
+                                                  ROOT / "benchmarks" / "report_network.py")
+    rep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rep)
+    def rev(ref):
+        return subprocess.run(["git", "rev-parse", ref], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    (first, first_ran), (last, last_ran) = rep.HYBRID_PRESETS[0], rep.HYBRID_PRESETS[-1]
+    assert rep.hybrid_at(rev("HEAD")) == last_ran
+    assert rep.hybrid_at(rev(first)) == first_ran
+    assert "hybrid_paper" in rep.hybrid_at(rev(first + "^"))
+    assert rep.hybrid_at(rev(last + "^")) == rep.HYBRID_PRESETS[-2][1]
