@@ -75,7 +75,7 @@ _LO = 32
 
 def _fwht(x_RxNBxBL):
     """Orthonormal fast Walsh-Hadamard transform along the last axis (a power of
-    two, BL), its own inverse, with no BL x BL matrix: the block as an HI x LO
+    two, BL), its own inverse, with no matrix past 32 x 32: the block as an HI x LO
     matrix (LO = min(BL, 32)), a product with H_LO along its rows, then radix-8
     butterflies along its columns, whose slices are LO contiguous elements.
 
