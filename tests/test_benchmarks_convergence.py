@@ -378,3 +378,17 @@ def test_hybrid_preset_setting_matches_the_policy_table():
     spec = next(s for s in conv.run_specs() if s["name"] == name)
     ef = {"on": True, "off": False}.get(spec["error_feedback"])
     assert policy.build(spec["policy"], spec["overrides"], ef) == policy.preset("hybrid")
+
+
+def test_the_readme_seeds_table_is_the_seeds_suites():
+    """README's table under "Convergence over seeds" is RESULTS.md's table of
+    results/convergence_seeds, row for row (RESULTS.md has other tables with the
+    same columns, one of which once stood in its place)."""
+    def table_after(text, marker):
+        start = text.index("| setting | compressed | seeds |", text.index(marker))
+        return text[start:text.index("\n\n", start)].splitlines()
+
+    readme = (ROOT / "README.md").read_text()
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert table_after(readme, "Convergence over seeds (") == table_after(
+        results, "### results/convergence_seeds:")
