@@ -122,9 +122,7 @@ METER_SENDERS_COMMIT = "86f605c"
 def _before_sender_meter(commit: str | None) -> bool:
     if not commit:
         return True
-    proc = subprocess.run(["git", "merge-base", "--is-ancestor", METER_SENDERS_COMMIT, commit],
-                          cwd=ROOT, capture_output=True)
-    return proc.returncode != 0
+    return not report_network.is_ancestor(METER_SENDERS_COMMIT, commit)
 
 
 def meter_note(runs) -> str | None:

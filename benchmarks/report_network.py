@@ -2,6 +2,7 @@
 link profile) and on GPUs (gpu.json); report.py calls these."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 
@@ -111,7 +112,10 @@ HYBRID_PRESETS = (
 )
 
 
-def _is_ancestor(ancestor: str, commit: str) -> bool:
+@functools.cache
+def is_ancestor(ancestor: str, commit: str) -> bool:
+    """Whether `commit` contains `ancestor` (git merge-base --is-ancestor); False
+    for a commit this clone does not have."""
     proc = subprocess.run(["git", "merge-base", "--is-ancestor", ancestor, commit],
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           capture_output=True)
@@ -122,7 +126,7 @@ def hybrid_at(commit: str) -> str:
     """What the rows named hybrid ran at `commit`."""
     ran = "the CCGrid 2024 recipe, now hybrid_paper (int4 gradients with error feedback, int8 elsewhere)"
     for since, what in HYBRID_PRESETS:
-        if _is_ancestor(since, commit):
+        if is_ancestor(since, commit):
             ran = what
     return ran
 
@@ -143,7 +147,7 @@ def network_section(net: dict, link: dict | None) -> tuple[str, list[str]]:
     dates = sorted(r["date"] for r in rows)
     cmd = next(c for c in commands(net) if c.endswith(commit[:7])).split("  #")[0]
     paper = ""
-    if not _is_ancestor(HYBRID_PRESETS[-1][0], commit):
+    if not is_ancestor(HYBRID_PRESETS[-1][0], commit):
         paper = (f" The rows named hybrid ran the preset of that commit, {hybrid_at(commit)}; "
                  "today's hybrid preset has not been swept on this link yet.")
     out = [f"`{cmd}`: {s0['procs']} processes x {8 // s0['procs']} CPU devices of "

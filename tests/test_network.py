@@ -183,7 +183,6 @@ def test_an_interrupted_sweep_kills_its_runs_and_removes_its_namespace(tmp_path,
 def test_the_report_names_what_the_hybrid_rows_ran_at_each_commit():
     """The hybrid preset changed twice; a sweep's hybrid rows are labelled with the
     preset of the commit that ran them, not today's."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bench_report_network",
                                                   ROOT / "benchmarks" / "report_network.py")
     rep = importlib.util.module_from_spec(spec)
