@@ -1,32 +1,22 @@
 """A learned linear autoencoder for tensor-parallel activations (Bian et al.,
-MLSys 2024): `ae:dim=A` in policy[tensor, act] and/or policy[tensor, act_grad].
+MLSys 2024): `ae:dim=A` at tensor.act and/or tensor.act_grad.
 
-Its weights are model parameters, trained with the model and saved in
-checkpoints; the collectives only ever see the encoded width A instead of
-d_model D. Per layer and per sub-block (attention, MLP):
+Its weights are model parameters, trained and checkpointed with the model; the
+collectives see the code width A instead of d_model D. Per layer and sub-block
+(attention, MLP), with E [D, A] and Dec [A, D]:
 
-  act       y = psum_T(y_i E) Dec      y_i: rank i's row-parallel partial sum
-            E [D, A], Dec [A, D]. The all-reduce runs on [.., A]; linear codes
-            sum correctly, so this equals (sum_i y_i) E Dec. Its backward
-            moves nothing over tensor.
-  act_grad  h = copy(x E') Dec'        before each column-parallel matmul
-            Forward the code is computed on the replicated input (no traffic);
-            backward the all-reduce of the input gradient runs on the [.., A]
-            gradient of the code. The price is a rank-A bottleneck on the
-            input of attention and MLP.
+  act       y = psum_T(y_i E) Dec   the row-parallel all-reduce runs on the A-wide
+                                    code; a linear code sums correctly
+  act_grad  h = copy(x E') Dec'     before the column-parallel matmul: the backward
+                                    all-reduce runs on the code's gradient, at the
+                                    price of a rank-A bottleneck on the input
 
-Parameter names in a Block: `{attn,mlp}_ae_out_{enc,dec}` (act) and
-`{attn,mlp}_ae_in_{enc,dec}` (act_grad). `ae_out_enc` multiplies a
-rank-varying partial sum and `ae_in_dec` a rank-varying copy, so their
-gradients differ per tensor rank; `jcomp.parallel` sums them once per step over
-tensor with policy[tensor, grad] (`VARYING_OVER_TENSOR`).
-
-Options: `init=orthogonal` (default; E has orthonormal columns, Dec = E^T, so
-E Dec starts as a projection) or `init=normal` (independent N(0, 1/D) and
-N(0, 1/A) entries); `rest=CODEC` codes the tensor collectives outside the
-blocks (the vocab-parallel embedding sum and the loss's entry), which have no
-autoencoder: `none` by default, a plain codec name (bf16, fp16, fp8, int8,
-int4, int2) otherwise.
+`ae_out_enc` multiplies a rank-varying partial sum and `ae_in_dec` a
+rank-varying copy, so their gradients differ per tensor rank; the step sums
+them over tensor with tensor.grad (VARYING_OVER_TENSOR). `init=orthogonal`
+starts E Dec as a projection (Dec = E^T), `init=normal` draws N(0, 1/D) and
+N(0, 1/A) entries; `rest=CODEC` codes the tensor messages outside the blocks
+(the embedding sum, the loss's entry).
 """
 from __future__ import annotations
 
@@ -50,8 +40,7 @@ def varying_over_tensor(parts) -> tuple:
 # is no split axis, so every tensor rank holds them whole.
 PARAM_AXES = {(f"{s}_ae_{p}_{w}",): ("embed", "code") if w == "enc" else ("code", "embed")
               for s in SUBBLOCKS for p in ("out", "in") for w in ("enc", "dec")}
-# The spec lives with the other codecs' (jcomp.codecs.structured).
-Autoencoder, parse, VALID_FORM = structured.Autoencoder, structured.parse_ae, structured.AE_FORM
+Autoencoder, parse = structured.Autoencoder, structured.parse_ae  # the spec, beside the codecs'
 
 
 def dims(pol) -> dict:

@@ -2,40 +2,18 @@
 
     plan = messages.plan(pol, n_layers=4, mesh_shape={"data": 2, "tensor": 2,
                                                       "pipeline": 2})
-    plan.embed_sum.codec          # what the vocab-parallel embedding sum sends
     plan.block_exit.at(3)         # layer 3's row-parallel all-reduces
-    plan.describe()               # "data.grad=int4:rot tensor.act=... ..."
+    plan.describe()               # "data.grad_reduce=int4:rot tensor.block_exit=... ..."
 
 A policy (jcomp.policy) is the user's table over (mesh axis, kind of message);
-the plan is what that table means for one model on one mesh: a frozen value
-with one field per message, each naming its axis, direction, collective,
-codec (per place, for messages sent once per layer or per stage) and the
-policy entry it reads. The step's leaf functions receive only their own
-field. A message over an axis of size 1 moves nothing (`exists` is False):
-`messages()`, `describe` and so the metrics' `compression` field list only
-messages that exist. (A learned autoencoder still shapes the blocks there:
-it is part of the model, whether or not its code travels.)
-
-Besides the coded messages the step sends a few exact ones that no policy
-entry reaches (EXACT): loss statistics and norms, scalars or one number per
-token, which a codec would only make wrong.
-
-Messages, by field:
-  grad_reduce      data      update    reduce-scatter  data.grad (ZeRO; PowerSGD:
-                                                       its factors' all-reduces)
-  param_gather     data      update    all-gather      data.param
-  ae_grad_sum      tensor    update    all-reduce      tensor.grad (autoencoder
-                                                       weights, when in use)
-  embed_sum        tensor    forward   all-reduce      tensor.act (ae: its rest)
-  head_entry_grad  tensor    backward  all-reduce      tensor.act_grad (ae: rest)
-  block_exit       tensor    forward   all-reduce      tensor.act, per layer
-  block_entry_grad tensor    backward  all-reduce      tensor.act_grad, per layer
-  stage_send       pipeline  forward   permute         pipeline.act, per sending
-                                                       stage s -> s+1
-  stage_send_grad  pipeline  backward  permute         pipeline.act_grad, per
-                                                       sending stage s+1 -> s
-  last_stage_sum   pipeline  forward   all-reduce      pipeline.act at the last stage
-  first_stage_grad pipeline  backward  all-reduce      pipeline.act_grad at stage 0
+the plan is what it means for one model on one mesh: one `Message` per field of
+`Plan`, each with its axis, direction, collective, codec per layer or stage and
+the policy entry it reads (`plan` below builds every one). The step's leaf
+functions receive only their own field. A message over an axis of size 1 moves
+nothing (`exists` is False), so `describe`, and with it the metrics'
+`compression` field, lists only messages that exist. EXACT lists the few
+messages no entry reaches (loss statistics, norms), which a codec would only
+make wrong.
 """
 from __future__ import annotations
 
@@ -61,13 +39,20 @@ class Message:
 
     name: str
     entry: str  # the policy entry it reads, "axis.kind"
-    axis: str
     direction: str  # "forward", "backward" or "update"
     op: str  # "all-reduce", "reduce-scatter", "all-gather", "permute"
     codecs: tuple
+    size: int = 1  # devices along `axis`; 1: the message moves nothing
     places: tuple = ()
     place: str = ""  # "layers", "stages" or ""
-    size: int = 1  # devices along `axis`; 1: the message moves nothing
+
+    def __post_init__(self):
+        object.__setattr__(self, "codecs", tuple(self.codecs))
+        object.__setattr__(self, "places", tuple(self.places))
+
+    @property
+    def axis(self) -> str:
+        return self.entry.partition(".")[0]
 
     @property
     def exists(self) -> bool:
@@ -151,11 +136,6 @@ def plan(pol, n_layers: int, mesh_shape: Mapping[str, int]) -> Plan:
         raise ValueError(f"model.n_layers={n_layers} is not divisible by mesh.pipeline={p}")
     pol.check_places(n_layers, p)
 
-    def msg(name, entry, direction, op, codecs_, size, places=(), place=""):
-        axis = entry.partition(".")[0]
-        return Message(name, entry, axis, direction, op, tuple(codecs_), tuple(places), place,
-                       size)
-
     def one(axis, kind):
         return (codecs.parse(pol[axis, kind]),)
 
@@ -163,32 +143,30 @@ def plan(pol, n_layers: int, mesh_shape: Mapping[str, int]) -> Plan:
                               for i in range(n_layers)]
     at_stage = lambda kind, s: codecs.parse(pol.codec_at("pipeline", kind, stage=s))
     learned = any(_kind(pol["tensor", k]) == "learned" for k in ("act", "act_grad"))
-    return Plan(
-        grad_reduce=msg("grad_reduce", "data.grad", "update",
-                        "all-reduce" if _kind(pol["data", "grad"]) == "lowrank" else "reduce-scatter",
-                        one("data", "grad"), d),
-        param_gather=msg("param_gather", "data.param", "update", "all-gather",
-                         one("data", "param"), d),
-        ae_grad_sum=msg("ae_grad_sum", "tensor.grad", "update", "all-reduce",
-                        one("tensor", "grad"), t if learned else 1),
-        embed_sum=msg("embed_sum", "tensor.act", "forward", "all-reduce",
-                      [_rest(pol["tensor", "act"])], t),
-        head_entry_grad=msg("head_entry_grad", "tensor.act_grad", "backward", "all-reduce",
-                            [_rest(pol["tensor", "act_grad"])], t),
-        block_exit=msg("block_exit", "tensor.act", "forward", "all-reduce", per_layer("act"), t,
-                       range(n_layers), "layers"),
-        block_entry_grad=msg("block_entry_grad", "tensor.act_grad", "backward", "all-reduce",
-                             per_layer("act_grad"), t, range(n_layers), "layers"),
-        stage_send=msg("stage_send", "pipeline.act", "forward", "permute",
-                       [at_stage("act", s) for s in range(p - 1)], p, range(p - 1), "stages"),
-        stage_send_grad=msg("stage_send_grad", "pipeline.act_grad", "backward", "permute",
-                            [at_stage("act_grad", s) for s in range(1, p)], p, range(1, p),
-                            "stages"),
-        last_stage_sum=msg("last_stage_sum", "pipeline.act", "forward", "all-reduce",
-                           [at_stage("act", p - 1)], p, (p - 1,), "stages"),
-        first_stage_grad=msg("first_stage_grad", "pipeline.act_grad", "backward", "all-reduce",
-                             [at_stage("act_grad", 0)], p, (0,), "stages"),
-        error_feedback=bool(pol.error_feedback))
+    lowrank = _kind(pol["data", "grad"]) == "lowrank"
+    sent = (
+        Message("grad_reduce", "data.grad", "update", "all-reduce" if lowrank else "reduce-scatter",
+                one("data", "grad"), d),
+        Message("param_gather", "data.param", "update", "all-gather", one("data", "param"), d),
+        Message("ae_grad_sum", "tensor.grad", "update", "all-reduce", one("tensor", "grad"),
+                t if learned else 1),
+        Message("embed_sum", "tensor.act", "forward", "all-reduce",
+                [_rest(pol["tensor", "act"])], t),
+        Message("head_entry_grad", "tensor.act_grad", "backward", "all-reduce",
+                [_rest(pol["tensor", "act_grad"])], t),
+        Message("block_exit", "tensor.act", "forward", "all-reduce", per_layer("act"), t,
+                range(n_layers), "layers"),
+        Message("block_entry_grad", "tensor.act_grad", "backward", "all-reduce",
+                per_layer("act_grad"), t, range(n_layers), "layers"),
+        Message("stage_send", "pipeline.act", "forward", "permute",
+                [at_stage("act", s) for s in range(p - 1)], p, range(p - 1), "stages"),
+        Message("stage_send_grad", "pipeline.act_grad", "backward", "permute",
+                [at_stage("act_grad", s) for s in range(1, p)], p, range(1, p), "stages"),
+        Message("last_stage_sum", "pipeline.act", "forward", "all-reduce",
+                [at_stage("act", p - 1)], p, (p - 1,), "stages"),
+        Message("first_stage_grad", "pipeline.act_grad", "backward", "all-reduce",
+                [at_stage("act_grad", 0)], p, (0,), "stages"))
+    return Plan(**{m.name: m for m in sent}, error_feedback=bool(pol.error_feedback))
 
 
 def table(pl: Plan) -> list[dict[str, Any]]:

@@ -2,36 +2,22 @@
 
     pol = policy.preset("hybrid")
     pol["data", "grad"]      # -> the codec for data-parallel gradient reduction
-
-Kinds of message:
-  grad      data-parallel gradient reduction (all-reduce or ZeRO reduce-scatter)
-  param     ZeRO parameter all-gather after the sharded update
-  act       tensor/pipeline activations, forward
-  act_grad  gradients of those activations, backward
-
-Where: tensor activations and their gradients may compress in some layers
-only, pipeline sends from some stages only (`Policy.restrict`); every other
-layer or stage sends that kind of message uncompressed.
-
     pol = pol.restrict({"tensor.act": "4-7", "pipeline.act_grad": "1"})
     pol.compresses("tensor", "act", layer=2)   # -> False: layer 2 sends raw
 
-Presets:
-  baseline      every entry "none": the plain jax.lax program.
-  naive         one aggressive codec (int4) on every message of every axis.
-  hybrid        the setting benchmarks/RESULTS.md measured best: of those whose
-                loss gap to the baseline stays within 1% over seeds
-                (benchmarks/convergence.py --suite seeds) at no more than 1/6
-                of the baseline's bytes, the fewest bytes whose step is no
-                slower than the baseline's on an unthrottled link
-                (benchmarks/network.py). int4 with a Hadamard rotation
-                (int4:rot) on data-parallel gradients and on tensor-parallel
-                activations and their gradients, int8 on pipeline sends and
-                the ZeRO parameter gather, no error feedback: 0.156 of the
-                baseline's bytes on configs/base.py.
-  hybrid_paper  as in Xu et al., CCGrid 2024: aggressive on data-parallel
-                gradients (int4 with error feedback), mild (int8) on
-                activations, their gradients and parameter gathers.
+Kinds: grad (data-parallel gradient reduction), param (ZeRO's parameter
+gather), act (tensor/pipeline activations, forward) and act_grad (their
+gradients, backward); MESSAGES lists the entries that name a message the step
+sends. `restrict` compresses tensor messages in some layers only and pipeline
+sends from some stages only.
+
+Presets: baseline (every entry "none"), naive (int4 everywhere, with error
+feedback), hybrid_paper (Xu et al., CCGrid 2024: int4 with error feedback on
+data gradients, int8 elsewhere) and hybrid, the setting benchmarks/RESULTS.md
+measured best: of those whose loss stays within 1% of the baseline's over seeds
+at no more than 1/6 of its bytes, the fewest bytes whose step is no slower than
+the baseline's on an unthrottled link (0.156 of the baseline's bytes on
+configs/base.py; README, "Policy").
 """
 from __future__ import annotations
 
@@ -47,11 +33,10 @@ PRESETS = ("baseline", "naive", "hybrid", "hybrid_paper")
 # The hybrid preset's entries (the rest "none"); see the module docstring.
 HYBRID = {"data.grad": "int4:rot", "data.param": "int8", "tensor.act": "int4:rot",
           "tensor.act_grad": "int4:rot", "pipeline.act": "int8", "pipeline.act_grad": "int8"}
-# The table's entries that name a message the 3-D step sends. The other five
-# name none: data-parallel ranks exchange no activations, tensor ranks gather
-# no parameters (each keeps its own shard), and pipeline stages reduce no
-# gradients and gather no parameters (each owns its layers). Those stay "none";
-# a codec there is refused rather than reported as compressing something.
+# The entries that name a message the 3-D step sends. Data ranks exchange no
+# activations, tensor ranks gather no parameters and pipeline stages reduce no
+# gradients (each owns its layers): the other five stay "none", and a codec
+# there is refused rather than reported as compressing something.
 MESSAGES = (("data", "grad"), ("data", "param"), ("tensor", "grad"), ("tensor", "act"),
             ("tensor", "act_grad"), ("pipeline", "act"), ("pipeline", "act_grad"))
 # What an entry's places are: global layer indices for tensor-parallel messages
@@ -70,18 +55,11 @@ class Policy:
     only: tuple = ()  # ((axis, kind, (index, ...)), ...): entries compressed there only
 
     def __getitem__(self, axis_kind):
-        axis, kind = axis_kind
-        _check(axis, kind)
-        for a, k, c in self.table:
-            if (a, k) == (axis, kind):
-                return c
-        raise KeyError(axis_kind)
+        _check(*axis_kind)
+        return next(c for a, k, c in self.table if (a, k) == tuple(axis_kind))
 
     def as_dict(self) -> dict[str, dict[str, str]]:
-        out: dict[str, dict[str, str]] = {a: {} for a in AXES}
-        for a, k, c in self.table:
-            out[a][k] = str(c)
-        return out
+        return {a: {k: str(c) for aa, k, c in self.table if aa == a} for a in AXES}
 
     def replace(self, overrides: Mapping[str, Any]) -> "Policy":
         """Overrides keyed "axis.kind", e.g. {"data.grad": "topk:0.01"}."""
@@ -113,7 +91,7 @@ class Policy:
         if idx is None:
             return True
         place = PLACES[axis, kind]
-        at = {"layers": layer, "stages": stage}[place]
+        at = layer if place == "layers" else stage
         if at is None:
             raise ValueError(f"{axis}.{kind} compresses in some {place} only: pass "
                              f"{place[:-1]}=")

@@ -3,11 +3,10 @@
     psgd = powersgd.parse("powersgd:rank=4:factor=bf16:fallback=int8")
     mean_g, q, res = powersgd.reduce(g, q, res, "data", codec=psgd)   # inside shard_map
 
-Each gradient leaf is viewed as a matrix M of shape (m, n) with
-m = prod(shape[:-1]) and n = shape[-1]: the output features stay the columns,
-and stacked layers ([L, I, O]) share one right factor Q. One step is one
-power iteration warm-started from the previous step's Q (Algorithm 1 of the
-paper, with error feedback as in its Algorithm 2):
+A gradient leaf is a matrix M (m, n), m = prod(shape[:-1]) and n = shape[-1], so
+stacked layers share one right factor Q. One step is one power iteration
+warm-started from the previous step's Q (the paper's Algorithm 1, with error
+feedback as in its Algorithm 2):
 
     M_i = g_i + e_i                       data rank i: gradient plus residual
     P   = sum_i M_i Q                     all-reduce of (m, R) over 'data'
@@ -17,15 +16,12 @@ paper, with error feedback as in its Algorithm 2):
     e_i = M_i - out                       what rank i's contribution still owes
 
 The residual is taken against the aggregated estimate, as the paper's
-reference code and torch's PowerSGD hook do, so that
-D * out + sum_i e_i(new) == sum_i (g_i + e_i(old)) holds exactly, even with a
-lossy factor codec: every rank decodes the same P^ and Q'. Q' is the next
-step's Q, identical on every data rank. Only (m + n) * R numbers per leaf are
-all-reduced instead of m * n.
+reference code and torch's PowerSGD hook do, so that D * out + sum_i e_i(new)
+== sum_i (g_i + e_i(old)) exactly, even with a lossy factor codec. Q' is the
+next step's Q, the same on every data rank.
 
-A leaf that is a scalar or a vector, or where low rank would not save at least
-`min_compression`x ((m + n) * R * min_compression >= m * n), is all-reduced
-with the `fallback` codec instead (with error feedback when a residual is kept).
+A vector, or a leaf where low rank would not save `min_compression`x
+((m + n) * R * min_compression >= m * n), goes through the `fallback` codec.
 """
 from __future__ import annotations
 
@@ -39,8 +35,7 @@ from jcomp import collectives as cc
 from jcomp.codecs import structured
 
 Q_SEED = 0  # every data rank draws the same initial Q from it
-# The spec lives with the other codecs' (jcomp.codecs.structured).
-PowerSGD, parse, VALID_FORM = structured.PowerSGD, structured.parse_powersgd, structured.POWERSGD_FORM
+PowerSGD, parse = structured.PowerSGD, structured.parse_powersgd  # the spec, beside the codecs'
 
 
 # ------------------------------------------------------------------ shapes

@@ -5,24 +5,15 @@ with which codec, as training goes on.
     schedule.policy_at(base, sched, 300)   # data.grad=int8, tensor.act="none", rest as base
     schedule.phases(base, sched)           # [(0, policy), (200, ...), (500, ...), (1000, ...)]
 
-An entry's spec is comma-separated items `CODEC@STEP` or `@STEP` with strictly
-increasing steps; an item applies from its step (0-based: the step index of the
-training loop) up to the next item's. Before the first item the entry sends
-uncompressed ("none"); a bare `@STEP` stands for the base policy's codec, so
-`@N` alone is a start step. Entries without a spec keep the base codec from
-step 0. `warmup_steps=W` is shorthand for `@W` on every entry without a spec;
-an entry's own spec may then not start before W.
+An entry's spec is items `CODEC@STEP` or `@STEP` (the base policy's codec) with
+strictly increasing 0-based steps; before its first item an entry sends "none",
+and `warmup_steps=W` is `@W` on every entry without a spec.
 
-The train state is laid out once, for the final policy (`final_policy`): the
-last codec of data.grad decides whether error-feedback residuals (and PowerSGD
-factors) exist, data.grad and data.param decide the shard padding. Earlier
-phases send their own codecs on that layout: a lossless phase passes the
-residuals through exactly, a lossy data.grad phase without residuals in the
-layout runs without error feedback, and a codec whose block does not divide
-the padding pads its rows. Codecs with state of their own shape (PowerSGD's
-right factor and residual, a learned autoencoder's weights) may only be their
-entry's single item (`powersgd:...@N`, or `@N` on such a base): every phase
-before it is then uncompressed, and no phase needs state of another shape.
+The train state is laid out once, for the final policy (`final_policy`); earlier
+phases send their own codecs on that layout (a lossy data.grad phase without
+residuals in the layout runs without error feedback). A codec with train state
+of its own shape (PowerSGD, a learned autoencoder) must be its entry's only
+item, so that no phase needs state of another shape.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jcomp import codecs
+from jcomp.codecs import blockwise, rotation, sparse
 
 SPECS = ["none", "bf16", "fp16", "fp8", "int8", "int4", "int2",
          "int8:sr", "int4:sr", "int2:sr", "int4:rot", "topk:0.1", "randk:0.1"]
@@ -299,10 +300,10 @@ def test_sparse_selection_matches_lax_top_k_with_ties(fraction):
     ties = rng.integers(0, 5, (3, 2000)).astype(np.float32)   # heavy ties
     spread = np.abs(rng.normal(size=(3, 2000))).astype(np.float32)
     spread[1, :7] = np.inf  # what NaN and Inf rank as
-    k = codecs._num_kept(fraction, 2000)
+    k = sparse._num_kept(fraction, 2000)
     for score in (ties, spread):
         want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(score), k)[1]), axis=-1)
-        got = jax.jit(lambda s: codecs._top_k_indices(s, k))(jnp.asarray(score))
+        got = jax.jit(lambda s: sparse._top_k_indices(s, k))(jnp.asarray(score))
         np.testing.assert_array_equal(np.sort(np.asarray(got), axis=-1), want)
 
 
@@ -413,7 +414,7 @@ def test_fp8_bits_match_float8_e4m3fn_conversion():
     it can meet (finite |v| <= 448)."""
     codes = jnp.arange(256, dtype=jnp.uint8)
     want = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32))
-    got = np.asarray(jax.jit(codecs._e4m3_values)(codes))
+    got = np.asarray(jax.jit(blockwise._e4m3_values)(codes))
     np.testing.assert_array_equal(got, want)  # NaN codes compare equal as NaN
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
     values = np.unique(want[np.isfinite(want)])
@@ -424,7 +425,7 @@ def test_fp8_bits_match_float8_e4m3fn_conversion():
                         rng.normal(size=20000) * 2.0**-7, [0.0, -0.0, 448.0, -448.0]])
     v = jnp.asarray(v[np.abs(v) <= 448], jnp.float32)
     want_bits = jax.lax.bitcast_convert_type(v.astype(jnp.float8_e4m3fn), jnp.uint8)
-    np.testing.assert_array_equal(np.asarray(jax.jit(codecs._e4m3_bits)(v)), np.asarray(want_bits))
+    np.testing.assert_array_equal(np.asarray(jax.jit(blockwise._e4m3_bits)(v)), np.asarray(want_bits))
 
 
 @pytest.mark.parametrize("spec", ["bf16", "fp16", "topk:0.25", "randk:0.25"])
@@ -486,14 +487,14 @@ def _sylvester(b):
 @pytest.mark.parametrize("block", [1, 2, 8, 256])
 def test_fwht_is_the_orthonormal_hadamard_and_rotation_inverts(block):
     eye = jnp.eye(block, dtype=jnp.float32)
-    np.testing.assert_allclose(np.asarray(codecs._fwht(eye)), _sylvester(block) / math.sqrt(block),
+    np.testing.assert_allclose(np.asarray(rotation._fwht(eye)), _sylvester(block) / math.sqrt(block),
                                atol=1e-6)
     x = _normal((3, 5, block), seed=4)
-    r = codecs._rotate(x)
+    r = rotation._rotate(x)
     np.testing.assert_allclose(np.linalg.norm(r, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(codecs._unrotate(r)), np.asarray(x), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(rotation._unrotate(r)), np.asarray(x), atol=1e-5)
     # The signs are fixed: rotating twice gives the same values.
-    np.testing.assert_array_equal(np.asarray(codecs._rotate(x)), np.asarray(r))
+    np.testing.assert_array_equal(np.asarray(rotation._rotate(x)), np.asarray(r))
 
 
 @pytest.mark.parametrize("block", [1, 2, 4, 8, 16, 32, 64, 256, 1024])
@@ -518,7 +519,7 @@ def test_fwht_is_within_float32_rounding_of_the_exact_transform(block):
     exact = np.asarray(x, np.float64) @ _sylvester(block) / math.sqrt(block)
     bound = ((min(block, 32) + math.log2(block) + 2) * 2.0**-24
              * np.sum(np.abs(np.asarray(x, np.float64)), axis=-1, keepdims=True) / math.sqrt(block))
-    for got in (jax.jit(codecs._fwht)(x), jax.jit(radix2)(x)):
+    for got in (jax.jit(rotation._fwht)(x), jax.jit(radix2)(x)):
         err = np.abs(np.asarray(got, np.float64) - exact)
         assert np.all(err <= bound), float(np.max(err / bound))
     # The bound is under 1e-4 of each row's RMS output (sum|x| <= sqrt(BL) |x|), so a

@@ -3,6 +3,7 @@ not quantize (identity and the 16-bit casts)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar
 
 import jax
@@ -85,7 +86,4 @@ class Cast:
 
 
 def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+    return math.prod(int(s) for s in shape)

@@ -25,8 +25,6 @@ from jcomp.codecs.spec import _bad, _join
 DEFAULT_BLOCK = 256
 
 
-
-
 def _check_block(block):
     if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
         raise ValueError(f"block must be a positive int; got {block!r}")
@@ -142,21 +140,15 @@ def _unpack(b_RxNbytes, bits: int, nb: int, block: int):
 class IntQuant:
     """`int8` / `int4` / `int2`: blockwise absmax quantization along the last axis.
 
-    Per block of `block` elements: scale = max|x| / qmax (float32), qmax =
-    2**(bits-1) - 1, q = round(x / scale) in [-qmax, qmax]. q is stored biased
-    (q + qmax, unsigned) and packed 8 // bits codes per byte. Round-to-nearest
-    errs by at most scale/2 per element. With `sr`, q = floor(x/scale + u),
-    u ~ U[0, 1) drawn from `key`: unbiased (E[decode] = x) at up to twice the
-    worst-case error; it needs `key=` (collectives fold in the axis index).
-    With `rot`, each block is rotated by a randomized Hadamard transform before
-    quantizing and rotated back after decoding (see `_rotate`): the same bytes,
-    a lower error on heavy-tailed data. A NaN or Inf then makes its whole block
-    decode non-finite (an Inf may come back as NaN: the inverse rotation mixes
-    +Inf and -Inf).
+    Per block: scale = max|x| / qmax (float32), qmax = 2**(bits-1) - 1, q =
+    round(x / scale), stored biased (q + qmax) and packed 8 // bits per byte;
+    it errs by at most scale/2. With `sr`, q = floor(x/scale + u), u ~ U[0, 1)
+    from `key`: unbiased at up to twice the error. With `rot`, each block is
+    rotated (jcomp.codecs.rotation) before quantizing and back after decoding:
+    the same bytes, a lower error on heavy-tailed data; a NaN or Inf then makes
+    its whole block non-finite (an Inf may come back as NaN).
 
-    Payload: {"q": uint8 (*lead, ceil(P*bits/8)), "scale": float32 (*lead, NB)}
-    with NB = ceil(C/block) and P = NB*block (the zero padding never reaches
-    the caller).
+    Payload: {"q": uint8 (*lead, ceil(PR*bits/8)), "scale": float32 (*lead, NB)}.
     """
 
     bits: int
@@ -278,17 +270,13 @@ def _e4m3_values(c):
 
 @dataclasses.dataclass(frozen=True)
 class Fp8:
-    """`fp8`: float8_e4m3fn with a per-block float32 scale max|x| / 448.
+    """`fp8`: float8_e4m3fn with a per-block float32 scale max|x| / 448, so large
+    inputs do not overflow (e4m3fn has no Inf). Relative error is at most 2**-4
+    for scaled values above 2**-6, absolute error 2**-10 * scale below. Padding,
+    zero and NaN/Inf rules are those of `IntQuant`.
 
-    Scaling maps each block's absmax onto e4m3's largest value, so large inputs
-    do not overflow (e4m3fn has no Inf; overflow would be NaN). Relative error
-    is at most 2**-4 for scaled values above 2**-6; below that, e4m3 is
-    subnormal and the absolute error is at most 2**-10 * scale. Padding, zero
-    and NaN/Inf rules are those of `IntQuant`.
-
-    Payload: {"q": uint8 (*lead, NB*block), "scale": float32 (*lead, NB)}. The
-    e4m3 bits travel as uint8: XLA on CPU widens float8 collectives to f16,
-    which would double the bytes; a byte is a byte on every backend.
+    Payload: {"q": uint8 (*lead, NB*block), "scale": float32 (*lead, NB)}: the
+    bits travel as uint8, since XLA on CPU widens float8 collectives to f16.
     """
 
     block: int = DEFAULT_BLOCK
@@ -345,24 +333,20 @@ def fit(codec, m: int):
 
 
 def block_options(spec, opts, *, allow_sr: bool):
-    """Reads `block=N` and (if allowed) `sr` and `rot`, each at most once."""
-    block, sr, rot, seen = DEFAULT_BLOCK, False, False, set()
-    for opt in opts:
-        key = opt.split("=", 1)[0]
-        if key in seen:
+    """Reads `block=N` and (if allowed) the flags `sr` and `rot`, each at most once."""
+    flags, block = ("sr", "rot") if allow_sr else (), DEFAULT_BLOCK
+    keys = [opt.partition("=")[0] for opt in opts]
+    for opt, key in zip(opts, keys):
+        if keys.count(key) > 1:
             raise _bad(spec, f"option {key!r} given twice")
-        seen.add(key)
-        if opt == "sr" and allow_sr:
-            sr = True
-        elif opt == "rot" and allow_sr:
-            rot = True
-        elif key == "block" and "=" in opt:
-            try:
-                block = int(opt.split("=", 1)[1])
-            except ValueError:
-                raise _bad(spec, f"block must be a positive int, got {opt!r}") from None
-            if block <= 0:
-                raise _bad(spec, f"block must be a positive int, got {opt!r}")
-        else:
+        if opt in flags:
+            continue
+        if key != "block" or "=" not in opt:
             raise _bad(spec, f"unknown option {opt!r}")
-    return block, sr, rot
+        try:
+            block = int(opt.partition("=")[2])
+        except ValueError:
+            raise _bad(spec, f"block must be a positive int, got {opt!r}") from None
+        if block <= 0:
+            raise _bad(spec, f"block must be a positive int, got {opt!r}")
+    return block, "sr" in opts, "rot" in opts

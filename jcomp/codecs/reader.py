@@ -8,8 +8,6 @@ from jcomp.codecs.blockwise import Fp8, IntQuant, block_options
 from jcomp.codecs.sparse import RandK, TopK
 from jcomp.codecs.spec import _bad, _fraction_option
 
-BYTE_CODECS = ("none", "bf16", "fp16", "int8", "int4", "int2", "fp8", "topk", "randk")
-
 
 def byte_codec(spec: str, name: str, opts: list):
     """The byte codec `name` with options `opts` (the spec split at ':'); ValueError

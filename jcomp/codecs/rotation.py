@@ -1,23 +1,18 @@
-"""The rotation of rotated block quantizers (`int4:rot`, ...): a randomized
-Hadamard transform per block, applied before quantizing and inverted after
-decoding.
+"""The rotation of `:rot` block quantizers: a randomized Hadamard transform per
+block (BL a power of two), applied before quantizing and inverted after decoding.
 
-Shape letters (jcomp's legend): R the leading (row) dimensions, NB the blocks
-per row, BL a block's length (a power of two)."""
+H D / sqrt(BL), with D a fixed +-1 diagonal, spreads a block's outliers over all
+of its elements, so the absmax scale sits near the block's RMS instead of its
+largest entry and the rounding step shrinks. It is orthonormal and linear:
+decode inverts it exactly, and a sum of rotated rows is the rotation of the
+sum, so dense collectives may sum in the rotated basis. D comes from a fixed
+seed, the same on every device and step: nothing extra travels."""
 from __future__ import annotations
 
 import math
 
 import jax
 import jax.numpy as jnp
-
-# Rotation. A randomized Hadamard transform, H D / sqrt(BL) with D a fixed +-1
-# diagonal, spreads a block's outliers over all of its BL elements, so the
-# absmax scale sits near the block's RMS instead of its largest entry and the
-# rounding step shrinks. It is orthonormal and linear: decode inverts it
-# exactly, and a sum of rotated rows is the rotation of the sum, so the dense
-# collectives' decode-sum-encode stays correct. D comes from a fixed seed: every
-# device and every step uses the same one and nothing extra travels.
 
 _ROT_SEED = 0x407A7E
 
@@ -57,11 +52,8 @@ def _hadamard(n: int):
     import numpy as np
 
     bits = np.bitwise_and.outer(np.arange(n), np.arange(n))
-    parity = np.zeros_like(bits)
-    while bits.any():
-        parity ^= bits & 1
-        bits >>= 1
-    return jnp.asarray(1.0 - 2.0 * parity, jnp.float32)
+    ones = np.vectorize(lambda v: bin(v).count("1"))(bits)
+    return jnp.asarray(1.0 - 2.0 * (ones & 1), jnp.float32)
 
 
 # The low index bits of a block go through one matrix product with H_LO, the rest

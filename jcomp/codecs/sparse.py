@@ -13,8 +13,6 @@ import jax.numpy as jnp
 from jcomp.codecs.base import Payload, _as_rows, _check_float, _itemsize, _numel, _rows_shape
 
 
-
-
 def _check_fraction(fraction):
     ok = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
     if not ok or not 0.0 < fraction <= 1.0:
@@ -155,7 +153,6 @@ class TopK(_Sparse):
         mag = jnp.where(jnp.isnan(mag), jnp.inf, mag)
         idx = _top_k_indices(mag, _num_kept(self.fraction, x.shape[-1]))
         return {"values": _gather(x, idx), "indices": idx}
-
 
 
 @dataclasses.dataclass(frozen=True)

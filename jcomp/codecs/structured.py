@@ -1,11 +1,10 @@
 """The structured codecs' specs: what `powersgd:...` and `ae:...` mean.
 
-Their algorithms live above the collectives they use (jcomp.powersgd: the
-low-rank reduction; jcomp.autoencoder: the learned code inside the model's
-blocks). Only the immutable spec objects live here, beside the byte codecs,
-so that `codecs.parse` reads every codec without importing anything above
-this package. `kind` says where a structured codec may stand
-(policy.PLACEMENT): "lowrank" at data.grad, "learned" at tensor.act/act_grad.
+Only the immutable spec objects live here, so that `codecs.parse` reads every
+codec without importing anything above this package; the algorithms live above
+the collectives they use (jcomp.powersgd, jcomp.autoencoder). `kind` says where
+each may stand (policy.PLACEMENT): "lowrank" at data.grad, "learned" at
+tensor.act/act_grad.
 """
 from __future__ import annotations
 
@@ -16,16 +15,19 @@ import numbers
 from jcomp.codecs.reader import parse_byte, split
 from jcomp.codecs.spec import key_value_options
 
-
 POWERSGD_FORM = ("powersgd:rank=R[:factor=CODEC][:fallback=CODEC][:min_compression=F] "
                  "(R an int >= 1, F a number >= 1, CODEC a codec spec without ':' such as "
                  "none, bf16, int8)")
+AE_FORM = ("ae:dim=A[:init=orthogonal|normal][:rest=CODEC] (A an int >= 1; CODEC one of "
+           "none, bf16, fp16, fp8, int8, int4, int2)")
+INITS = ("orthogonal", "normal")
+RESTS = ("none", "bf16", "fp16", "fp8", "int8", "int4", "int2")
 
 
 @dataclasses.dataclass(frozen=True)
 class PowerSGD:
-    """Rank-`rank` gradient reduction. `factor_codec` codes the P and Q
-    all-reduces, `fallback` the leaves that stay dense (see the module docstring)."""
+    """Rank-`rank` gradient reduction (jcomp.powersgd). `factor_codec` codes the P
+    and Q all-reduces, `fallback` the leaves that stay dense."""
 
     rank: int
     factor_codec: str = "none"
@@ -60,65 +62,14 @@ class PowerSGD:
         return parse_byte(self.fallback).row_multiple
 
     def __str__(self):
-        parts = [f"{self.name}:rank={self.rank}"]
-        if self.factor_codec != "none":
-            parts.append(f"factor={self.factor_codec}")
-        if self.fallback != "none":
-            parts.append(f"fallback={self.fallback}")
-        if self.min_compression != 2.0:
-            parts.append(f"min_compression={self.min_compression!r}")
-        return ":".join(parts)
-
-
-def _bad_powersgd(spec, why: str) -> ValueError:
-    return ValueError(f"invalid PowerSGD spec {spec!r}: {why}. Valid form: {POWERSGD_FORM}")
-
-
-def _fields(spec, name: str, keys, bad, what: str) -> dict:
-    """The key=value options of a "NAME:key=value:..." spec string; `bad(spec,
-    why)` makes the ValueError, `what` names the codec in the TypeError."""
-    if not isinstance(spec, str):
-        raise TypeError(f"{what} spec must be a string; got {type(spec).__name__}")
-    head, opts = split(spec)
-    if head != name:
-        raise bad(spec, f"it must start with {name!r}, not {head!r}")
-    return key_value_options(opts, keys, lambda why: bad(spec, why))
-
-
-def parse_powersgd(spec) -> PowerSGD:
-    """Reads "powersgd:rank=R[:factor=C][:fallback=C][:min_compression=F]"
-    (case-insensitive). A PowerSGD object passes through unchanged."""
-    if isinstance(spec, PowerSGD):
-        return spec
-    fields = _fields(spec, "powersgd", ("rank", "factor", "fallback", "min_compression"),
-                     _bad_powersgd, "PowerSGD")
-    if "factor" in fields:
-        fields["factor_codec"] = fields.pop("factor")
-    if "rank" not in fields:
-        raise _bad_powersgd(spec, "rank is missing")
-    try:
-        fields["rank"] = int(fields["rank"])
-    except ValueError:
-        raise _bad_powersgd(spec, f"rank must be an int >= 1, got {fields['rank']!r}") from None
-    if "min_compression" in fields:
-        try:
-            fields["min_compression"] = float(fields["min_compression"])
-        except ValueError:
-            raise _bad_powersgd(spec, "min_compression must be a number >= 1") from None
-    try:
-        return PowerSGD(**fields)
-    except (TypeError, ValueError) as e:
-        raise _bad_powersgd(spec, str(e)) from None
-
-
-AE_FORM = ("ae:dim=A[:init=orthogonal|normal][:rest=CODEC] (A an int >= 1; CODEC one of "
-           "none, bf16, fp16, fp8, int8, int4, int2)")
-INITS = ("orthogonal", "normal")
-RESTS = ("none", "bf16", "fp16", "fp8", "int8", "int4", "int2")
+        return _text(self, _POWERSGD_OPTIONS)
 
 
 @dataclasses.dataclass(frozen=True)
 class Autoencoder:
+    """A learned linear code of width `dim` for tensor-parallel activations
+    (jcomp.autoencoder); `rest` codes the tensor messages outside the blocks."""
+
     dim: int
     init: str = "orthogonal"
     rest: str = "none"
@@ -136,30 +87,64 @@ class Autoencoder:
             raise ValueError(f"ae rest must be one of {', '.join(RESTS)}; got {self.rest!r}")
 
     def __str__(self):
-        out = f"ae:dim={self.dim}"
-        if self.init != "orthogonal":
-            out += f":init={self.init}"
-        if self.rest != "none":
-            out += f":rest={self.rest}"
-        return out
+        return _text(self, _AE_OPTIONS)
 
 
-def _bad_ae(spec, why) -> ValueError:
-    return ValueError(f"invalid autoencoder spec {spec!r}: {why}; expected {AE_FORM}")
+# Each spec option -> (the field it sets, how its text is read).
+_POWERSGD_OPTIONS = {"rank": ("rank", int), "factor": ("factor_codec", str),
+                     "fallback": ("fallback", str), "min_compression": ("min_compression", float)}
+_AE_OPTIONS = {"dim": ("dim", int), "init": ("init", str), "rest": ("rest", str)}
+
+
+def _text(codec, options) -> str:
+    """NAME, then key=value for the first option and every other one off its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(codec)}
+    parts = [codec.name]
+    for i, (key, (field, read)) in enumerate(options.items()):
+        value = getattr(codec, field)
+        if i == 0 or value != defaults[field]:
+            parts.append(f"{key}={value!r}" if read is float else f"{key}={value}")
+    return ":".join(parts)
+
+
+def _read(spec, cls, options, form: str, what: str):
+    """`cls` from its spec "NAME:key=value:..." (case-insensitive; an object of
+    `cls` passes through). The first option is required. ValueError names the
+    spec and `form`; TypeError for a spec that is not a string."""
+    if isinstance(spec, cls):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"{what} spec must be a string; got {type(spec).__name__}")
+
+    def bad(why):
+        return ValueError(f"invalid {what} spec {spec!r}: {why}. Valid form: {form}")
+
+    head, opts = split(spec)
+    if head != cls.name:
+        raise bad(f"it must start with {cls.name!r}, not {head!r}")
+    texts = key_value_options(opts, options, bad)
+    first = next(iter(options))
+    if first not in texts:
+        raise bad(f"{first} is missing")
+    fields = {}
+    for key, text in texts.items():
+        field, read = options[key]
+        try:
+            fields[field] = read(text)
+        except ValueError:
+            raise bad(f"{key} must be {'an int' if read is int else 'a number'}, "
+                      f"got {text!r}") from None
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as e:
+        raise bad(str(e)) from None
+
+
+def parse_powersgd(spec) -> PowerSGD:
+    """Reads "powersgd:rank=R[:factor=C][:fallback=C][:min_compression=F]"."""
+    return _read(spec, PowerSGD, _POWERSGD_OPTIONS, POWERSGD_FORM, "PowerSGD")
 
 
 def parse_ae(spec) -> Autoencoder:
-    """Reads "ae:dim=A[:init=...][:rest=...]" (case-insensitive)."""
-    if isinstance(spec, Autoencoder):
-        return spec
-    fields = _fields(spec, "ae", ("dim", "init", "rest"), _bad_ae, "autoencoder")
-    if "dim" not in fields:
-        raise _bad_ae(spec, "dim is missing")
-    try:
-        fields["dim"] = int(fields["dim"])
-    except ValueError:
-        raise _bad_ae(spec, f"dim must be an int >= 1, got {fields['dim']!r}") from None
-    try:
-        return Autoencoder(**fields)
-    except ValueError as e:
-        raise _bad_ae(spec, str(e)) from None
+    """Reads "ae:dim=A[:init=...][:rest=...]"."""
+    return _read(spec, Autoencoder, _AE_OPTIONS, AE_FORM, "autoencoder")

@@ -3,52 +3,22 @@
     from jcomp import collectives as cc
     y = cc.psum(x, "data", codec="int8")           # inside jax.shard_map
 
-Every function takes the positional and keyword arguments of its `jax.lax`
-twin plus `codec=` (what the forward collective sends), `bwd_codec=` (what the
-backward collective sends; defaults to `codec`), `key=` (randomness for codecs
-that draw it: stochastic rounding, rand-k) and, for pytrees, `bucket_bytes=`.
-With `codec="none"` a call on one array *is* the `jax.lax` call; on a pytree it
-gives lax's results bitwise, its leaves bucketed into a few messages.
+Every function takes its `jax.lax` twin's arguments plus `codec=` (what the
+forward collective sends), `bwd_codec=` (the backward's; default `codec`),
+`key=` (for codecs that draw random numbers) and `bucket_bytes=`. With
+`codec="none"` a call on one array *is* the `jax.lax` call; a pytree gives
+lax's results bitwise, its leaves bucketed into a few messages. What each op
+sends, and the rules below, are tabled in the README ("Using the collectives").
 
-What travels is the codec's payload (one uint8 buffer per row: codes, scales
-and indices together), never a decoded full-precision array:
-  psum / pmean  over 2 devices: all_gather of the coded rows, float32 sum of
-                both on each device (one collective, one quantization). Over
-                more: all_to_all of coded chunks, float32 sum of the decoded
-                chunks on their owner, all_gather of the re-coded sums (fewer
-                bytes than gathering every row once the axis passes 2). Sparse
-                codecs keep each row's (chunk's) top entries: 2F of the bytes
-  psum_scatter  all_to_all of coded chunks, float32 sum
-  all_gather    all_gather of the payload
-  ppermute      ppermute of the payload
-  all_to_all    all_to_all of the payload
-Over an axis of size 1 nothing moves, and the `jax.lax` op is used as is.
-
-Never more bytes than `jax.lax`: where a codec cannot send fewer bytes than the
-raw operand (a few elements; bf16 of bf16), the call sends it raw, warns
-(`RawSendWarning`, once per call site) and `jcomp.wire` names those
-collectives in `report.notes`. A quantizer's block shrinks to fit short rows.
-
-Pytrees are bucketed: leaves of one dtype (and one varying type) are
-concatenated into flat buffers of at most `bucket_bytes` and sent together, so
-a model's hundred gradients cost a few messages, not a hundred.
-
-Gradients come from `jax.custom_vjp`: the backward pass is the transpose of
-the `jax.lax` op, sent with `bwd_codec`. Under `shard_map(check_vma=True)` (the
-default) a `cc.psum` result is invariant over the summed axes, exactly like
-`lax.psum`, so it may be declared replicated, and a psum over axes the
-operand is invariant over moves nothing (it is n * x). Under
-`check_vma=False`, as with `lax.psum`, every operand counts as varying and
-the backward pass of `psum` is itself a (compressed) psum.
-
-Remat: every result of a coded call carries a `jax.ad_checkpoint.checkpoint_name`,
-`REMAT_NAMES[op]` ("jcomp_all_gather", ...), which name-based policies see:
-`save_only_these_names("jcomp_all_gather")` keeps the decoded gathered weights
-instead of gathering again in the backward pass, the offload policies move
-them to host memory, and a policy saving only other names recomputes them.
-A policy that tests the primitive (`str(prim) != "all_gather"`, as in the
-shard_map tutorial) does not see a coded gather: its forward is one
-`custom_vjp` call followed by layout ops, whose outputs such a policy saves.
+What travels is the codec's payload, never a decoded full-precision array
+(`kernels`); where a codec cannot send fewer bytes than the raw operand the call
+sends it raw and warns. Gradients come from one `custom_vjp` factory (`_coded`):
+the backward pass is the transpose of the `jax.lax` op, sent with `bwd_codec`.
+Under `shard_map(check_vma=True)` a `cc.psum` result is invariant over the
+summed axes, as `lax.psum`'s, and its backward moves nothing; under
+`check_vma=False` every operand counts as varying and psum's backward is a
+(compressed) psum. Results are named `REMAT_NAMES[op]` for name-based remat
+policies (a policy testing the primitive sees a `custom_vjp` call instead).
 """
 from __future__ import annotations
 
@@ -123,14 +93,20 @@ def _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups=None):
 
 
 def _coded(fwd, bwd):
-    """A custom_vjp op(static, x_RxM, key) running fwd forward and bwd backward."""
+    """A custom_vjp op(static, x_RxM, key), static = (axes, fwd codec, bwd codec,
+    extra): fwd(x, axes, codec, key, extra) forward and bwd(ct, ...) backward, each
+    with its own codec and the key folded with the device's index."""
+
+    def run(f, i, static, x, key):
+        axes, codec = static[0], static[i]
+        return f(x, axes, codec, device_key(key, axes, codec), static[3])
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def op(static, x, key):
-        return fwd(static, x, key)
+        return run(fwd, 1, static, x, key)
 
-    op.defvjp(lambda static, x, key: (fwd(static, x, key), key),
-              lambda static, key, ct: (bwd(static, ct, _bwd_key(key)), None))
+    op.defvjp(lambda static, x, key: (run(fwd, 1, static, x, key), key),
+              lambda static, key, ct: (run(bwd, 2, static, ct, _bwd_key(key)), None))
     return op
 
 
@@ -139,71 +115,55 @@ def _named(op, tree):
     return jax.tree.map(lambda v: checkpoint_name(v, REMAT_NAMES[op]), tree)
 
 
-def _psum_fwd(static, x, key):
-    axes, fwd, _, _ = static
-    return kernels.allreduce(x, axes, fwd, device_key(key, axes, fwd))[0]
-
-
-def _psum_bwd(static, ct, key):
-    axes, _, bwd, checked = static
+def _allreduce_bwd(ct, axes, codec, key, checked):
     if checked:  # the transpose of an all-reduce into an invariant value: no traffic
         return _vary(ct, axes)
-    return kernels.allreduce(ct, axes, bwd, device_key(key, axes, bwd))[0]
+    return kernels.allreduce(ct, axes, codec, key)[0]
 
 
-def _copy_fwd(static, x, key):
-    return lax.pcast(x, static[0], to="varying")
+def _reduce_scatter(x, axes, codec, key, _):
+    return kernels.reduce_scatter(x, axes, codec, key)[0].astype(x.dtype)
 
 
-def _scatter_fwd(static, x, key):
-    axes, fwd, _, _ = static
-    return kernels.reduce_scatter(x, axes, fwd, device_key(key, axes, fwd))[0].astype(x.dtype)
-
-
-def _scatter_bwd(static, ct, key):
-    axes, _, bwd, _ = static
-    return kernels.gather(ct, axes, bwd, device_key(key, axes, bwd), "varying")
-
-
-def _gather_fwd(static, x, key):
-    axes, fwd, _, to = static
-    return kernels.gather(x, axes, fwd, device_key(key, axes, fwd), to)
-
-
-def _gather_bwd(static, ct, key):
-    axes, _, bwd, to = static
+def _gather_bwd(ct, axes, codec, key, to):
     if to == "invarying":  # every device holds the gathered value: its row is local
         own = lax.dynamic_index_in_dim(ct, lax.axis_index(axes), 0, keepdims=True)
         return _vary(own, axes)
-    return kernels.reduce_scatter(ct, axes, bwd, device_key(key, axes, bwd))[0].astype(ct.dtype)
+    return _reduce_scatter(ct, axes, codec, key, None)
 
 
-def _permute_fwd(static, x, key):
-    axes, fwd, _, perm = static
-    return kernels.permute(x, axes, fwd, device_key(key, axes, fwd), perm)
-
-
-def _permute_bwd(static, ct, key):
-    axes, _, bwd, perm = static
-    inverse = tuple((dst, src) for src, dst in perm)
-    return kernels.permute(ct, axes, bwd, device_key(key, axes, bwd), inverse)
-
-
-def _exchange(static, x, key, codec):
-    axes = static[0]
-    return kernels.exchange(x, axes, codec, device_key(key, axes, codec))
-
-
-_PSUM = _coded(_psum_fwd, _psum_bwd)
-_COPY = _coded(_copy_fwd, _psum_bwd)
-_SCATTER = _coded(_scatter_fwd, _scatter_bwd)
-_GATHER = _coded(_gather_fwd, _gather_bwd)
-_PERMUTE = _coded(_permute_fwd, _permute_bwd)
-_EXCHANGE = _coded(lambda s, x, k: _exchange(s, x, k, s[1]),
-                   lambda s, ct, k: _exchange(s, ct, k, s[2]))
+_PSUM = _coded(lambda x, axes, c, k, _: kernels.allreduce(x, axes, c, k)[0], _allreduce_bwd)
+_COPY = _coded(lambda x, axes, c, k, _: lax.pcast(x, axes, to="varying"), _allreduce_bwd)
+_SCATTER = _coded(_reduce_scatter, lambda ct, axes, c, k, _: kernels.gather(ct, axes, c, k,
+                                                                            "varying"))
+_GATHER = _coded(kernels.gather, _gather_bwd)
+_PERMUTE = _coded(kernels.permute, lambda ct, axes, c, k, perm: kernels.permute(
+    ct, axes, c, k, tuple((dst, src) for src, dst in perm)))
+_EXCHANGE = _coded(kernels.exchange, kernels.exchange)
 
 
 # ------------------------------------------------------------ public API
+
+def _flat(leaf):
+    return leaf.reshape(1, -1)
+
+
+def _same(out, leaf):
+    return out.reshape(leaf.shape)
+
+
+def _tree(op, x, ready, to_rows, from_rows, lax_send, coded_send, key, bucket_bytes,
+          prepare=None):
+    """The leaves of `x` sent bucketed: through `lax_send(buf, axes)` where both
+    codecs are "none" (lax's values, fewer messages), else through
+    `coded_send(buf, axes, key)`, the results named for remat."""
+    axes, _, _, plain = ready
+    if plain:
+        return bucketed(x, lambda leaf: (leaf, axes), to_rows, from_rows,
+                        lambda buf, live, k: lax_send(buf, live), None, bucket_bytes)
+    prepare = prepare or (lambda leaf: (_vary(leaf, axes), axes))
+    return _named(op, bucketed(x, prepare, to_rows, from_rows, coded_send, key, bucket_bytes))
+
 
 def psum(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, key=None,
          bucket_bytes=DEFAULT_BUCKET_BYTES):
@@ -213,11 +173,7 @@ def psum(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, 
     if ready is None:
         return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
     axes, fwd, bwd, plain = ready
-    if plain:
-        return bucketed(x, lambda leaf: (leaf, axes), lambda leaf: leaf.reshape(1, -1),
-                        lambda out, leaf: out.reshape(leaf.shape),
-                        lambda buf, live, k: lax.psum(buf, live), None, bucket_bytes)
-    checked = _checked(axes)
+    checked = not plain and _checked(axes)
 
     def prepare(leaf):
         if leaf.dtype == jnp.bool_:
@@ -229,12 +185,9 @@ def psum(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, 
             leaf = leaf * lax.axis_size(invariant)
         return leaf, tuple(a for a in axes if a not in invariant)
 
-    def send(buf_1xM, live, k):
-        return _PSUM((live, fwd, bwd, checked), buf_1xM, k)
-
-    return _named("psum", bucketed(x, prepare, lambda leaf: leaf.reshape(1, -1),
-                                   lambda out, leaf: out.reshape(leaf.shape), send, key,
-                                   bucket_bytes))
+    return _tree("psum", x, ready, _flat, _same, lax.psum,
+                 lambda buf, live, k: _PSUM((live, fwd, bwd, checked), buf, k), key,
+                 bucket_bytes, prepare)
 
 
 def pmean(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, key=None,
@@ -270,8 +223,7 @@ def copy_to_parallel(x, axis_name, *, bwd_codec="none", key=None):
         if bwd.kind == "identity" or lax.axis_size(missing) == 1:
             return lax.pcast(leaf, missing, to="varying")
         check_key(k, bwd)
-        out = _COPY((missing, bwd, bwd, False), leaf.reshape(1, -1), k)
-        return out.reshape(leaf.shape)
+        return _same(_COPY((missing, bwd, bwd, False), _flat(leaf), k), leaf)
 
     leaves, treedef = jax.tree.flatten(x)
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(leaves))]
@@ -286,32 +238,22 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
     if ready is None:
         return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                                 axis_index_groups=axis_index_groups, tiled=tiled)
-    axes, fwd, bwd, plain = ready
+    axes, fwd, bwd, _ = ready
     n = lax.axis_size(axes)
 
     def to_rows(leaf):
-        rows = kernels.rows_along(leaf, n, scatter_dimension % leaf.ndim, tiled, "psum_scatter")
-        return rows.reshape(n, -1)
+        dim = scatter_dimension % leaf.ndim
+        return kernels.rows_along(leaf, n, dim, tiled, "psum_scatter").reshape(n, -1)
 
     def from_rows(out_1xM, leaf):
-        return out_1xM.reshape(to_piece(leaf))
-
-    def to_piece(leaf):
         dim = scatter_dimension % leaf.ndim
         shape = list(leaf.shape)
-        if tiled:
-            shape[dim] //= n
-        else:
-            del shape[dim]
-        return tuple(shape)
+        shape[dim:dim + 1] = [shape[dim] // n] if tiled else []
+        return out_1xM.reshape(shape)
 
-    if plain:
-        return bucketed(x, lambda leaf: (leaf, axes), to_rows, from_rows,
-                        lambda buf, live, k: lax.psum_scatter(buf, live, tiled=True), None,
-                        bucket_bytes)
-    return _named("psum_scatter", bucketed(
-        x, lambda leaf: (_vary(leaf, axes), axes), to_rows, from_rows,
-        lambda buf, live, k: _SCATTER((live, fwd, bwd, None), buf, k), key, bucket_bytes))
+    return _tree("psum_scatter", x, ready, to_rows, from_rows,
+                 lambda buf, live: lax.psum_scatter(buf, live, tiled=True),
+                 lambda buf, live, k: _SCATTER((live, fwd, bwd, None), buf, k), key, bucket_bytes)
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying",
@@ -330,16 +272,11 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
 
     def from_rows(out_GxM, leaf):
         dim = axis % (leaf.ndim + (0 if tiled else 1))
-        rows = out_GxM.reshape((n,) + leaf.shape)
-        return kernels.stack_along(rows, dim, tiled)
+        return kernels.stack_along(out_GxM.reshape((n,) + leaf.shape), dim, tiled)
 
-    if plain:
-        return bucketed(x, lambda leaf: (leaf, axes), lambda leaf: leaf.reshape(1, -1), from_rows,
-                        lambda buf, live, k: lax.all_gather(buf, live, axis=0, tiled=True, to=to),
-                        None, bucket_bytes)
-    return _named("all_gather", bucketed(
-        x, lambda leaf: (_vary(leaf, axes), axes), lambda leaf: leaf.reshape(1, -1), from_rows,
-        lambda buf, live, k: _GATHER((live, fwd, bwd, to), buf, k), key, bucket_bytes))
+    return _tree("all_gather", x, ready, _flat, from_rows,
+                 lambda buf, live: lax.all_gather(buf, live, axis=0, tiled=True, to=to),
+                 lambda buf, live, k: _GATHER((live, fwd, bwd, to), buf, k), key, bucket_bytes)
 
 
 def ppermute(x, axis_name, perm, *, codec="none", bwd_codec=None, key=None,
@@ -348,16 +285,11 @@ def ppermute(x, axis_name, perm, *, codec="none", bwd_codec=None, key=None,
     ready = _prepare(x, axis_name, codec, bwd_codec, key)
     if ready is None:
         return lax.ppermute(x, axis_name, perm)
-    axes, fwd, bwd, plain = ready
+    axes, fwd, bwd, _ = ready
     perm = tuple((int(s), int(d)) for s, d in perm)
-    if plain:
-        return bucketed(x, lambda leaf: (leaf, axes), lambda leaf: leaf.reshape(1, -1),
-                        lambda out, leaf: out.reshape(leaf.shape),
-                        lambda buf, live, k: lax.ppermute(buf, live, perm), None, bucket_bytes)
-    return _named("ppermute", bucketed(
-        x, lambda leaf: (_vary(leaf, axes), axes), lambda leaf: leaf.reshape(1, -1),
-        lambda out, leaf: out.reshape(leaf.shape),
-        lambda buf, live, k: _PERMUTE((live, fwd, bwd, perm), buf, k), key, bucket_bytes))
+    return _tree("ppermute", x, ready, _flat, _same,
+                 lambda buf, live: lax.ppermute(buf, live, perm),
+                 lambda buf, live, k: _PERMUTE((live, fwd, bwd, perm), buf, k), key, bucket_bytes)
 
 
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False,
@@ -367,7 +299,7 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
     if ready is None:
         return lax.all_to_all(x, axis_name, split_axis, concat_axis,
                               axis_index_groups=axis_index_groups, tiled=tiled)
-    axes, fwd, bwd, plain = ready
+    axes, fwd, bwd, _ = ready
     n = lax.axis_size(axes)
 
     def chunks(leaf):
@@ -377,10 +309,6 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
         rows = out_GxM.reshape(chunks(leaf).shape)
         return kernels.stack_along(rows, concat_axis % leaf.ndim, tiled)
 
-    if plain:
-        return bucketed(x, lambda leaf: (leaf, axes), lambda leaf: chunks(leaf).reshape(n, -1),
-                        from_rows, lambda buf, live, k: lax.all_to_all(buf, live, 0, 0, tiled=True),
-                        None, bucket_bytes)
-    return _named("all_to_all", bucketed(
-        x, lambda leaf: (_vary(leaf, axes), axes), lambda leaf: chunks(leaf).reshape(n, -1),
-        from_rows, lambda buf, live, k: _EXCHANGE((live, fwd, bwd), buf, k), key, bucket_bytes))
+    return _tree("all_to_all", x, ready, lambda leaf: chunks(leaf).reshape(n, -1), from_rows,
+                 lambda buf, live: lax.all_to_all(buf, live, 0, 0, tiled=True),
+                 lambda buf, live, k: _EXCHANGE((live, fwd, bwd, None), buf, k), key, bucket_bytes)

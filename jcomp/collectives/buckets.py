@@ -1,16 +1,11 @@
 """Bucketing: the leaves of a pytree sent as a few flat buffers.
 
-Each call on a pytree groups its leaves by what must agree inside one message
-(dtype, varying axes, rows per leaf) and concatenates each group, in leaf
-order, into buffers of at most `bucket_bytes`; a leaf larger than that travels
-alone. One coded collective per buffer replaces one (or, with a payload of
-codes and scales, two) per leaf: on a real network every message costs a
-latency, which is why DDP and ZeRO++ bucket too.
-
-DEFAULT_BUCKET_BYTES is 32 MiB: a model's small leaves (biases, norms) share
-a message with its matrices, while the concatenated copy of one bucket stays a
-small part of a device's memory (PyTorch DDP settles the same trade-off at
-25 MiB).
+Leaves that agree in what one message needs (dtype, varying axes, rows per
+leaf) are concatenated in leaf order into buffers of at most `bucket_bytes` (a
+larger leaf travels alone): on a real network every message costs a latency,
+which is why DDP and ZeRO++ bucket too. At 32 MiB by default a model's biases
+and norms share a message with its matrices while one bucket's copy stays
+small next to device memory (DDP picks 25 MiB).
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Coded collective kernels on flat rows, and the choice between coded and raw.
 
-Every kernel works on 2-D rows `x_RxM` (R = 1 or G, the devices along the axes; M elements
-per row) inside `shard_map`, over `axes` (a tuple of mesh axis names the value
-varies over):
+Every kernel works inside `shard_map` on rows `x_RxM` (R = 1 or G, the devices
+along `axes`, the mesh axes the value varies over; M elements per row):
 
   allreduce(x_1xM)       -> (sum 1xM, what this device was sent as 1xM f32)
   reduce_scatter(x_GxM)  -> (row r of the sum 1xM f32, what was sent GxM f32)
@@ -10,16 +9,11 @@ varies over):
   permute(x_1xM, perm)   -> 1xM
   exchange(x_GxM)        -> GxM (row i from device i)
 
-`plan(...)` decides, from static shapes alone, whether the codec sends fewer
-bytes than the uncompressed rows (`allreduce_plan(...)` for an all-reduce, which
-also picks between its two forms). Where it cannot, the kernel runs the
-`jax.lax` op on the raw rows inside a `jax.named_scope` named
-`RAW_SCOPE.format(codec)`, which the compiled program keeps in each
-instruction's metadata (`jcomp.wire` reports those collectives as raw), and
-warns once per call site. Nothing is sent larger than uncompressed.
-
-A codec's payload (codes, scales, indices) travels as one uint8 buffer per
-row: one collective instead of one per payload leaf, at the same bytes.
+A payload travels as one uint8 buffer per row. `plan` (`allreduce_plan` for an
+all-reduce, which also picks its form) decides from static shapes whether the
+codec sends fewer bytes than the raw rows; where it cannot, the kernel runs the
+`jax.lax` op raw inside the named scope `RAW_SCOPE.format(codec)`, which the
+compiled program keeps (jcomp.wire reports it), and warns once per call site.
 """
 from __future__ import annotations
 
@@ -172,10 +166,8 @@ def allreduce_plan(codec, m: int, n: int, dtype):
 
 def _view(codec, m: int) -> tuple:
     """The shape a row of m elements is coded in: (m/u, u), or (m,) if u does not
-    divide m. Blocks code independently, so the bytes are those of one row; kept
-    in that shape up to the collective, XLA:CPU's fused encode and decode
-    vectorise (a reshape to a flat row inside the packing fusion of int4/int2
-    was seen to emit scalar loops 3-4x slower)."""
+    divide m (the same bytes). In that shape XLA:CPU's fused encode and decode
+    vectorise; a flat row in int4/int2's packing fusion ran 3-4x slower."""
     u = codec.row_multiple
     return (m // u, u) if codec.kind == "dense" and u > 1 and m % u == 0 else (m,)
 
@@ -353,28 +345,26 @@ def reduce_scatter(x_GxM, axes, codec, key, *, op="psum_scatter"):
     return total[None], decode(fitted, payload, n, m, jnp.float32)
 
 
-def gather(x_1xM, axes, codec, key, to, *, op="all_gather"):
+def _moved(op, x_RxM, axes, codec, key, send, rows_out: int):
+    """`send` (a jax.lax op on arrays) of x's coded payload, decoded to rows_out x M
+    of x's dtype; the raw rows where the codec cannot send fewer bytes."""
+    r, m, dtype = x_RxM.shape[0], x_RxM.shape[1], x_RxM.dtype
+    fitted = plan(codec, r, m, dtype)
+    if fitted is None:
+        return _raw(op, codec, m, lax.axis_size(axes), dtype, send, x_RxM)
+    return decode(fitted, _send(encode(fitted, x_RxM, key), send), rows_out, m, dtype)
+
+
+def gather(x_1xM, axes, codec, key, to):
     """Every device's row -> GxM of x's dtype; invariant over `axes` if to="invarying"."""
-    n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
-    fitted = plan(codec, 1, m, dtype)
-    if fitted is None:
-        return _raw(op, codec, m, n, dtype, lambda a: lax.all_gather(a, axes, axis=0, tiled=True, to=to),
-                    x_1xM)
-    return decode(fitted, _all_gather(encode(fitted, x_1xM, key), axes, to), n, m, dtype)
+    return _moved("all_gather", x_1xM, axes, codec, key,
+                  lambda a: lax.all_gather(a, axes, axis=0, tiled=True, to=to), lax.axis_size(axes))
 
 
-def permute(x_1xM, axes, codec, key, perm, *, op="ppermute"):
-    n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
-    fitted = plan(codec, 1, m, dtype)
-    if fitted is None:
-        return _raw(op, codec, m, n, dtype, lax.ppermute, x_1xM, axes, perm)
-    moved = _send(encode(fitted, x_1xM, key), lambda a: lax.ppermute(a, axes, perm))
-    return decode(fitted, moved, 1, m, dtype)
+def permute(x_1xM, axes, codec, key, perm):
+    return _moved("ppermute", x_1xM, axes, codec, key, lambda a: lax.ppermute(a, axes, perm), 1)
 
 
-def exchange(x_GxM, axes, codec, key, *, op="all_to_all"):
-    n, m, dtype = x_GxM.shape[0], x_GxM.shape[1], x_GxM.dtype
-    fitted = plan(codec, n, m, dtype)
-    if fitted is None:
-        return _raw(op, codec, m, n, dtype, lambda a: lax.all_to_all(a, axes, 0, 0, tiled=True), x_GxM)
-    return decode(fitted, _all_to_all(encode(fitted, x_GxM, key), axes), n, m, dtype)
+def exchange(x_GxM, axes, codec, key, _=None):
+    return _moved("all_to_all", x_GxM, axes, codec, key,
+                  lambda a: lax.all_to_all(a, axes, 0, 0, tiled=True), x_GxM.shape[0])
