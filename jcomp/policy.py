@@ -55,8 +55,12 @@ class Policy:
     only: tuple = ()  # ((axis, kind, (index, ...)), ...): entries compressed there only
 
     def __getitem__(self, axis_kind):
-        _check(*axis_kind)
-        return next(c for a, k, c in self.table if (a, k) == tuple(axis_kind))
+        axis, kind = axis_kind
+        _check(axis, kind)
+        for a, k, c in self.table:
+            if (a, k) == (axis, kind):
+                return c
+        raise KeyError(axis_kind)  # a table built by hand may lack an entry
 
     def as_dict(self) -> dict[str, dict[str, str]]:
         return {a: {k: str(c) for aa, k, c in self.table if aa == a} for a in AXES}
