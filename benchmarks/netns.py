@@ -9,9 +9,11 @@ bucket filter: the link of benchmarks/network.py.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +42,32 @@ def rate_bits(rate: str):
 
 def _run(*argv, check=True):
     return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=30)
+
+
+_DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Holds Ctrl-C, SIGTERM and SIGHUP until the block ends, then delivers them.
+
+    A signal whose handler raises inside subprocess.Popen, after the fork, loses
+    the Popen object: its child runs on where no cleanup can find it. Deferred,
+    it lands once the block has stored the object, so the block must hold the
+    store too (`with signals_deferred(): procs.append(Popen(...))`). Main thread only."""
+    caught = []
+    old = {}
+    try:
+        for sig in _DEFERRED:
+            previous = signal.getsignal(sig)
+            if previous is not None:  # None: set outside Python, so it cannot be restored
+                old[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
 def unavailable_reason() -> str | None:
@@ -85,8 +113,9 @@ class Namespace:
             _run("ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up")
             # A process that lives in the namespace: /proc/<its pid>/net/dev is the
             # namespace's view, read without starting a process per reading.
-            self._probe = subprocess.Popen(self.exec_args(["sleep", "infinity"]),
-                                           start_new_session=True)
+            with signals_deferred():
+                self._probe = subprocess.Popen(self.exec_args(["sleep", "infinity"]),
+                                               start_new_session=True)
             for _ in range(100):
                 if self._lo_line() is not None:
                     break

@@ -71,7 +71,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from netns import PREFIX, Namespace, Unavailable, rate_bits, remove_stale  # noqa: E402,F401
-from netns import _run, unavailable_reason  # noqa: E402,F401
+from netns import _run, signals_deferred, unavailable_reason  # noqa: E402,F401
 
 DEFAULT_OUT = os.path.join("benchmarks", "results", "network.json")
 TOTAL_DEVICES = 8
@@ -146,9 +146,10 @@ def launch(ns: Namespace, settings: dict, workdir: str, timeout: float, port: in
     try:
         for i in range(n):
             log = open(os.path.join(workdir, f"process{i}.log"), "w")
-            procs.append(subprocess.Popen(ns.exec_args(cmd + [f"--process_id={i}"]), cwd=ROOT,
-                                          env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            with signals_deferred():  # a signal inside Popen would lose the child
+                procs.append(subprocess.Popen(ns.exec_args(cmd + [f"--process_id={i}"]),
+                                              cwd=ROOT, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
         while True:
             new = _new_records(metrics, state)

@@ -180,6 +180,50 @@ def test_an_interrupted_sweep_kills_its_runs_and_removes_its_namespace(tmp_path,
     assert not alive, f"train.py processes left running: {alive}"
 
 
+class _SleepNamespace:
+    """Stands in for netns.Namespace: each command is a `sleep`, so nothing is sent."""
+
+    def exec_args(self, argv):
+        return ["sleep", "30"]
+
+    def counters(self):
+        return (0, 0, 0)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_inside_popen_still_kills_every_child(tmp_path, monkeypatch, sig):
+    """The race of the test above, made certain: the signal lands while Popen of
+    the second process runs, after its fork. Its child must be killed with the
+    first, though the exception interrupts the launch before the child is listed."""
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen_then_signal(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        if len(started) == 2:
+            os.kill(os.getpid(), sig)  # its handler runs before this call returns
+        return proc
+
+    monkeypatch.setattr(net.subprocess, "Popen", popen_then_signal)
+    old = signal.signal(signal.SIGTERM, net._raise_exit)
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    settings = dict(procs=2, config="configs/tiny.py", steps=400, eval_every=400,
+                    warmup_steps=1, policy="baseline", set={})
+    try:
+        with pytest.raises((KeyboardInterrupt, SystemExit)):
+            net.launch(_SleepNamespace(), settings, str(tmp_path), 60.0, 1)
+        alive = [p.pid for p in started if p.poll() is None]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
+        for p in started:
+            p.kill()
+            p.wait()
+    assert len(started) == 2
+    assert not alive, f"children left running: {alive}"
+
+
 def test_the_report_names_what_the_hybrid_rows_ran_at_each_commit():
     """The hybrid preset changed twice; a sweep's hybrid rows are labelled with the
     preset of the commit that ran them, not today's."""
