@@ -13,7 +13,7 @@ collectives see the code width A instead of d_model D. Per layer and sub-block
 
 `ae_out_enc` multiplies a rank-varying partial sum and `ae_in_dec` a
 rank-varying copy, so their gradients differ per tensor rank; the step sums
-them over tensor with tensor.grad (VARYING_OVER_TENSOR). `init=orthogonal`
+them over tensor with tensor.grad (`varying_over_tensor`). `init=orthogonal`
 starts E Dec as a projection (Dec = E^T), `init=normal` draws N(0, 1/D) and
 N(0, 1/A) entries; `rest=CODEC` codes the tensor messages outside the blocks
 (the embedding sum, the loss's entry).
@@ -26,21 +26,19 @@ import jax.numpy as jnp
 from jcomp.codecs import structured
 
 SUBBLOCKS = ("attn", "mlp")
-# The Block parameters whose gradient differs per tensor rank (see the docstring).
-# ((name, part), ...): out's encoder and in's decoder of each sub-block.
-VARYING_OVER_TENSOR = tuple((f"{s}_ae_{p}_{w}", p) for s in SUBBLOCKS
-                            for p, w in (("out", "enc"), ("in", "dec")))
-
-
-def varying_over_tensor(parts) -> tuple:
-    """The parameter names of VARYING_OVER_TENSOR whose part ("out", "in") is in
-    `parts`, in its order."""
-    return tuple(n for n, p in VARYING_OVER_TENSOR if p in parts)
-# Their logical axes (jcomp.model.PARAM_AXES): enc [D, A], dec [A, D]; "code"
-# is no split axis, so every tensor rank holds them whole.
+# The coders' logical axes (jcomp.model.PARAM_AXES): enc [D, A], dec [A, D];
+# "code" is no split axis, so every tensor rank holds them whole.
 PARAM_AXES = {(f"{s}_ae_{p}_{w}",): ("embed", "code") if w == "enc" else ("code", "embed")
               for s in SUBBLOCKS for p in ("out", "in") for w in ("enc", "dec")}
 Autoencoder, parse = structured.Autoencoder, structured.parse_ae  # the spec, beside the codecs'
+
+
+def varying_over_tensor(parts) -> tuple:
+    """The Block parameters whose gradient differs per tensor rank (see above):
+    out's encoder and in's decoder of each sub-block, for the parts ("out",
+    "in") in `parts`."""
+    return tuple(f"{s}_ae_{p}_{w}" for s in SUBBLOCKS
+                 for p, w in (("out", "enc"), ("in", "dec")) if p in parts)
 
 
 def dims(pol) -> dict:

@@ -5,15 +5,12 @@
     plan.block_exit.at(3)         # layer 3's row-parallel all-reduces
     plan.describe()               # "data.grad_reduce=int4:rot tensor.block_exit=... ..."
 
-A policy (jcomp.policy) is the user's table over (mesh axis, kind of message);
-the plan is what it means for one model on one mesh: one `Message` per field of
-`Plan`, each with its axis, direction, collective, codec per layer or stage and
-the policy entry it reads (`plan` below builds every one). The step's leaf
-functions receive only their own field. A message over an axis of size 1 moves
-nothing (`exists` is False), so `describe`, and with it the metrics'
-`compression` field, lists only messages that exist. EXACT lists the few
-messages no entry reaches (loss statistics, norms), which a codec would only
-make wrong.
+A policy (jcomp.policy) is the user's (axis, kind) table; the plan is what it
+means for one model on one mesh: one `Message` per field of `Plan`, each with
+its axis, direction, collective and codec per place. The step's leaf functions
+receive only their own field. A message over an axis of size 1 does not exist,
+so `describe` (the metrics' `compression` field) never lists it. EXACT lists
+the few messages no entry reaches, which a codec would only make wrong.
 """
 from __future__ import annotations
 

@@ -11,13 +11,11 @@ gradients, backward); MESSAGES lists the entries that name a message the step
 sends. `restrict` compresses tensor messages in some layers only and pipeline
 sends from some stages only.
 
-Presets: baseline (every entry "none"), naive (int4 everywhere, with error
-feedback), hybrid_paper (Xu et al., CCGrid 2024: int4 with error feedback on
-data gradients, int8 elsewhere) and hybrid, the setting benchmarks/RESULTS.md
-measured best: of those whose loss stays within 1% of the baseline's over seeds
-at no more than 1/6 of its bytes, the fewest bytes whose step is no slower than
-the baseline's on an unthrottled link (0.156 of the baseline's bytes on
-configs/base.py; README, "Policy").
+Presets: baseline (all "none"), naive (int4 with error feedback), hybrid_paper
+(Xu et al., CCGrid 2024: int4 with error feedback on data gradients, int8
+elsewhere) and hybrid, the setting benchmarks/RESULTS.md measured best (README,
+"Policy": loss within 1% of the baseline's over seeds, the fewest bytes whose
+step is no slower than the baseline's on an unthrottled link).
 """
 from __future__ import annotations
 
@@ -137,15 +135,11 @@ class Policy:
                                  f"has {n} {PLACES[a, k]} (0..{n - 1})")
 
     def __str__(self):
-        rows = [f"{a}: " + ", ".join(f"{k}={c}{places_str(self, a, k)}" for aa, k, c in self.table
+        """e.g. "data: grad=int8, ...; tensor: act=int4[layers 4-7], ...; error_feedback=False"."""
+        only = {(a, k): f"[{PLACES[a, k]} {format_indices(idx)}]" for a, k, idx in self.only}
+        rows = [f"{a}: " + ", ".join(f"{k}={c}{only.get((a, k), '')}" for aa, k, c in self.table
                                      if aa == a) for a in AXES]
         return "; ".join(rows) + f"; error_feedback={self.error_feedback}"
-
-
-def places_str(pol, axis, kind) -> str:
-    """"[layers 4-7]" where (axis, kind) compresses in some places only, else ""."""
-    idx = pol.where(axis, kind) if (axis, kind) in PLACES else None
-    return "" if idx is None else f"[{PLACES[axis, kind]} {format_indices(idx)}]"
 
 
 def parse_indices(spec, field: str) -> tuple | None:

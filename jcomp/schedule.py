@@ -1,19 +1,15 @@
-"""When each (axis, kind) entry of a compression policy starts compressing, and
-with which codec, as training goes on.
+"""When each (axis, kind) entry of a policy starts compressing, and with which
+codec, as training goes on.
 
     sched = schedule.parse({"data.grad": "bf16@0,int8@200,int4@1000", "tensor.act": "@500"})
     schedule.policy_at(base, sched, 300)   # data.grad=int8, tensor.act="none", rest as base
     schedule.phases(base, sched)           # [(0, policy), (200, ...), (500, ...), (1000, ...)]
 
-An entry's spec is items `CODEC@STEP` or `@STEP` (the base policy's codec) with
-strictly increasing 0-based steps; before its first item an entry sends "none",
-and `warmup_steps=W` is `@W` on every entry without a spec.
-
-The train state is laid out once, for the final policy (`final_policy`); earlier
-phases send their own codecs on that layout (a lossy data.grad phase without
-residuals in the layout runs without error feedback). A codec with train state
-of its own shape (PowerSGD, a learned autoencoder) must be its entry's only
-item, so that no phase needs state of another shape.
+Items are `CODEC@STEP` or `@STEP` (the base's codec), steps strictly increasing;
+before its first item an entry sends "none"; `warmup_steps=W` is `@W` on every
+entry without a spec. The train state is laid out for `final_policy`, so a codec
+with state of its own shape (PowerSGD, an autoencoder) must be its entry's only
+item.
 """
 from __future__ import annotations
 
@@ -56,24 +52,22 @@ def _parse_entry(spec: str, field: str) -> tuple:
     for raw in spec.split(","):
         text = raw.strip()
         name, at, step_text = text.rpartition("@")
+        bad = lambda why: ValueError(f"{field}={spec!r}: {why}")
         if not at:
-            raise ValueError(f"{field}={spec!r}: item {text!r} is not CODEC@STEP or @STEP "
-                             "(e.g. 'int8@100,int4@500' or '@100')")
+            raise bad(f"item {text!r} is not CODEC@STEP or @STEP (e.g. 'int8@100,int4@500' "
+                      "or '@100')")
         try:
             step = int(step_text.strip())
         except ValueError:
-            raise ValueError(f"{field}={spec!r}: step {step_text!r} of item {text!r} is not "
-                             "an integer") from None
+            raise bad(f"step {step_text!r} of item {text!r} is not an integer") from None
         if step < 0:
-            raise ValueError(f"{field}={spec!r}: step {step} must be >= 0")
+            raise bad(f"step {step} must be >= 0")
         if items and step <= items[-1][0]:
-            raise ValueError(f"{field}={spec!r}: steps must strictly increase; {step} comes "
-                             f"after {items[-1][0]}")
+            raise bad(f"steps must strictly increase; {step} comes after {items[-1][0]}")
         try:
-            codec = codecs.parse(name) if name.strip() else None
+            items.append((step, codecs.parse(name) if name.strip() else None))
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{field}={spec!r}: {e}") from None
-        items.append((step, codec))
+            raise bad(e) from None
     return tuple(items)
 
 
@@ -115,13 +109,8 @@ def parse(specs: Mapping[str, str], *, base: policy_lib.Policy | None = None,
                              f"{prefix}warmup_steps={warmup}; start it at {warmup} or later, "
                              "or drop warmup_steps and give every entry its own start")
         parsed[axis, kind] = items
-    entries = []
-    for axis, kind in policy_lib.MESSAGES:
-        if (axis, kind) in parsed:
-            entries.append((axis, kind, parsed[axis, kind]))
-        elif warmup:
-            entries.append((axis, kind, ((warmup, None),)))
-    return Schedule(tuple(entries))
+    return Schedule(tuple((a, k, parsed.get((a, k), ((warmup, None),)))
+                          for a, k in policy_lib.MESSAGES if (a, k) in parsed or warmup))
 
 
 def policy_at(base: policy_lib.Policy, sched: Schedule, step: int) -> policy_lib.Policy:
@@ -160,10 +149,6 @@ def phase_at(phase_list, step: int) -> policy_lib.Policy:
     return phase_list[bisect.bisect_right([s for s, _ in phase_list], step) - 1][1]
 
 
-def _codec_name(codec) -> str:
-    return str(codecs.parse(codec))
-
-
 def is_compressed(pol: policy_lib.Policy) -> bool:
     """Whether any entry sends something other than the raw array."""
     return any(codecs.parse(c).kind != "identity" for _, _, c in pol.table)
@@ -171,5 +156,5 @@ def is_compressed(pol: policy_lib.Policy) -> bool:
 
 def changes(old: policy_lib.Policy, new: policy_lib.Policy) -> str:
     """The entries that differ, e.g. "data.grad=none->int8"; "" if none."""
-    return " ".join(f"{a}.{k}={_codec_name(c0)}->{_codec_name(c1)}"
+    return " ".join(f"{a}.{k}={codecs.parse(c0)}->{codecs.parse(c1)}"
                     for (a, k, c0), (_, _, c1) in zip(old.table, new.table) if c0 != c1)

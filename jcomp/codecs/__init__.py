@@ -8,18 +8,13 @@ of its input independently, so a collective encodes one row per peer at once:
   nbytes  = codec.wire_bytes((R, C), dtype) # exact bytes of `payload`
 
 `kind` says how partial results combine: "identity" (collectives call `jax.lax`
-unchanged), "dense" (rows decode, sum in float32 and code again) or "sparse"
-((values, indices), summed by scatter-add); structured codecs are "lowrank" or
-"learned". `row_multiple` is the row length that codes without padding.
-Codecs with `needs_key` take a PRNG key, which collectives fold with the
-device's axis index so that devices draw independent noise. A NaN or Inf is
-never coded into a finite number: its block decodes non-finite.
-
-By family: `base` (shapes, Identity, Casts), `blockwise` (IntQuant, Fp8, `fit`),
-`rotation` (the Hadamard transform of `:rot`), `sparse` (TopK, RandK), `spec`
-(the NAME[:OPTION] grammar), `reader` (reads a byte codec) and `structured` (the
-PowerSGD and autoencoder specs; their algorithms live above the collectives,
-in jcomp.powersgd and jcomp.autoencoder). Nothing here imports from outside.
+unchanged), "dense" (decode, sum in float32, code again), "sparse" (scatter-add)
+or, for the structured codecs, "lowrank" and "learned". `row_multiple` is the
+row length that codes without padding; `needs_key` codecs draw random numbers.
+A NaN or Inf is never coded into a finite number. Modules, by family: `base`,
+`blockwise`, `rotation`, `sparse`, `spec` (the grammar), `reader` and
+`structured` (the specs of jcomp.powersgd and jcomp.autoencoder). Nothing here
+imports from outside the package.
 """
 from __future__ import annotations
 
@@ -42,12 +37,7 @@ def parse(spec) -> Any:
     forms.
     """
     if not isinstance(spec, str):
-        if isinstance(spec, (PowerSGD, Autoencoder)):
-            return spec
-        return parse_byte(spec)
+        return spec if isinstance(spec, (PowerSGD, Autoencoder)) else parse_byte(spec)
     name, opts = split(spec)
-    if name == "powersgd":
-        return parse_powersgd(spec)
-    if name == "ae":
-        return parse_ae(spec)
-    return byte_codec(spec, name, opts)
+    read = {"powersgd": parse_powersgd, "ae": parse_ae}.get(name)
+    return read(spec) if read else byte_codec(spec, name, opts)

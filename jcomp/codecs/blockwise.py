@@ -40,10 +40,6 @@ def _to_blocks(x, block: int):
     return x.reshape(*x.shape[:-1], nb, block)
 
 
-def _max_abs(a, b):
-    return jax.lax.max(jax.lax.abs(a), jax.lax.abs(b))
-
-
 def _block_absmax(x_RxNBxBL):
     """max |x| over each block -> (*lead, NB); NaN if the block holds a NaN.
 
@@ -53,7 +49,8 @@ def _block_absmax(x_RxNBxBL):
     lets XLA fuse whatever computes x (a decoded sum) into the reduction.
     """
     zero = jnp.zeros((), x_RxNBxBL.dtype)
-    return jax.lax.reduce(x_RxNBxBL, zero, _max_abs, (x_RxNBxBL.ndim - 1,))
+    max_abs = lambda a, b: jax.lax.max(jax.lax.abs(a), jax.lax.abs(b))
+    return jax.lax.reduce(x_RxNBxBL, zero, max_abs, (x_RxNBxBL.ndim - 1,))
 
 
 def _block_scale(x_RxNBxBL, qmax: float):
@@ -346,7 +343,7 @@ def block_options(spec, opts, *, allow_sr: bool):
         try:
             block = int(opt.partition("=")[2])
         except ValueError:
-            raise _bad(spec, f"block must be a positive int, got {opt!r}") from None
+            block = 0
         if block <= 0:
             raise _bad(spec, f"block must be a positive int, got {opt!r}")
     return block, "sr" in opts, "rot" in opts

@@ -19,10 +19,10 @@ def byte_codec(spec: str, name: str, opts: list):
             raise _bad(spec, f"{name!r} takes no options")
         return plain[name]()
     if name in ("int8", "int4", "int2"):
-        block, sr, rot = block_options(spec, opts, allow_sr=True)
-        if rot and block & (block - 1):
-            raise _bad(spec, f"rot needs a block that is a power of two, got block={block}")
-        return IntQuant(int(name[3:]), block, sr, rot)
+        try:  # IntQuant refuses a rotation over a block that is no power of two
+            return IntQuant(int(name[3:]), *block_options(spec, opts, allow_sr=True))
+        except ValueError as e:
+            raise _bad(spec, str(e)) from None
     if name == "fp8":
         block, _, _ = block_options(spec, opts, allow_sr=False)
         return Fp8(block)

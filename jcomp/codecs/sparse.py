@@ -26,10 +26,6 @@ def _num_kept(fraction: float, c: int) -> int:
     return min(max(k, 1), c)
 
 
-def _gather(x_RxC, idx_RxK):
-    return jnp.take_along_axis(x_RxC, idx_RxK, axis=-1)
-
-
 def _top_k_indices(score_RxC, k: int):
     """Indices of the k largest scores of every row -> int32 (*lead, k).
 
@@ -95,26 +91,12 @@ def _threshold_top_k(score_RxC, k: int):
     return idx.reshape(r, k)
 
 
-def _scatter(payload: Payload, shape, dtype):
-    """Writes values at their indices into zeros of `shape`."""
-    rows = _rows_shape(shape)
-    vals_RxK = payload["values"].reshape(-1, payload["values"].shape[-1]).astype(dtype)
-    idx_RxK = payload["indices"].reshape(vals_RxK.shape)
-    r = jnp.arange(vals_RxK.shape[0])[:, None]
-    out_RxC = jnp.zeros((vals_RxK.shape[0], rows[-1]), dtype).at[r, idx_RxK].set(vals_RxK)
-    return out_RxC.reshape(shape)
-
-
-def _sparse_bytes(fraction: float, shape, dtype) -> int:
-    rows = _rows_shape(shape)
-    return _numel(rows[:-1]) * _num_kept(fraction, rows[-1]) * (_itemsize(dtype) + 4)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Sparse:
-    """What top-k and random-k share: a fraction F of each row, sent as values
-    plus int32 indices and scattered back into zeros. Subclasses choose the
-    indices in `encode`."""
+    """What top-k and random-k share: a fraction F of each row, the entries of
+    the k = ceil(F*C) largest `_scores`, sent as values plus int32 indices and
+    scattered back into zeros.
+    Payload: {"values": x.dtype (*lead, k), "indices": int32 (*lead, k)}."""
 
     fraction: float
     kind: ClassVar[str] = "sparse"
@@ -124,11 +106,23 @@ class _Sparse:
         _check_fraction(self.fraction)
         object.__setattr__(self, "fraction", float(self.fraction))
 
+    def encode(self, x, *, key=None) -> Payload:
+        x = _as_rows(jnp.asarray(x))
+        _check_float(x, self.name)
+        idx = _top_k_indices(self._scores(x, key), _num_kept(self.fraction, x.shape[-1]))
+        return {"values": jnp.take_along_axis(x, idx, axis=-1), "indices": idx}
+
     def decode(self, payload: Payload, shape, dtype):
-        return _scatter(payload, shape, dtype)
+        rows = _rows_shape(shape)
+        vals_RxK = payload["values"].reshape(-1, payload["values"].shape[-1]).astype(dtype)
+        idx_RxK = payload["indices"].reshape(vals_RxK.shape)
+        r = jnp.arange(vals_RxK.shape[0])[:, None]
+        out_RxC = jnp.zeros((vals_RxK.shape[0], rows[-1]), dtype).at[r, idx_RxK].set(vals_RxK)
+        return out_RxC.reshape(shape)
 
     def wire_bytes(self, shape, dtype) -> int:
-        return _sparse_bytes(self.fraction, shape, dtype)
+        rows = _rows_shape(shape)
+        return _numel(rows[:-1]) * _num_kept(self.fraction, rows[-1]) * (_itemsize(dtype) + 4)
 
     def __str__(self):
         return f"{self.name}:{self.fraction!r}"
@@ -136,47 +130,35 @@ class _Sparse:
 
 @dataclasses.dataclass(frozen=True)
 class TopK(_Sparse):
-    """`topk:F`: per row, the k = ceil(F*C) entries largest in magnitude.
+    """`topk:F`: per row, the k entries largest in magnitude.
 
     NaN ranks as +inf magnitude, so non-finite entries are kept first: none is
-    dropped while k >= their number. Decoding scatters into zeros.
-    Payload: {"values": x.dtype (*lead, k), "indices": int32 (*lead, k)}.
-    """
+    dropped while k >= their number."""
 
     needs_key: ClassVar[bool] = False
     name: ClassVar[str] = "topk"
 
-    def encode(self, x, *, key=None) -> Payload:
-        x = _as_rows(jnp.asarray(x))
-        _check_float(x, self.name)
+    def _scores(self, x, key):
         mag = jnp.abs(x.astype(jnp.float32))
-        mag = jnp.where(jnp.isnan(mag), jnp.inf, mag)
-        idx = _top_k_indices(mag, _num_kept(self.fraction, x.shape[-1]))
-        return {"values": _gather(x, idx), "indices": idx}
+        return jnp.where(jnp.isnan(mag), jnp.inf, mag)
 
 
 @dataclasses.dataclass(frozen=True)
 class RandK(_Sparse):
-    """`randk:F`: per row, k = ceil(F*C) indices drawn uniformly without
-    replacement from `key` (required).
+    """`randk:F`: per row, k indices drawn uniformly without replacement from
+    `key` (required).
 
     Values are sent as they are, not rescaled by C/k: the result is a biased
     estimate of x, meant for use with error feedback, which carries the unsent
     remainder to the next step. Non-finite entries are always picked first (up
-    to k) so a NaN/Inf is not hidden by chance. Payload as `TopK`.
-    """
+    to k) so a NaN/Inf is not hidden by chance."""
 
     needs_key: ClassVar[bool] = True
     name: ClassVar[str] = "randk"
 
-    def encode(self, x, *, key=None) -> Payload:
-        x = _as_rows(jnp.asarray(x))
-        _check_float(x, self.name)
+    def _scores(self, x, key):
         if key is None:
             raise ValueError(f"codec {str(self)!r} draws random indices and needs key=")
         # The k largest of iid uniforms are a uniform k-subset.
         score = jax.random.uniform(key, x.shape, jnp.float32)
-        score = jnp.where(jnp.isfinite(x), score, 2.0)
-        idx = _top_k_indices(score, _num_kept(self.fraction, x.shape[-1]))
-        return {"values": _gather(x, idx), "indices": idx}
-
+        return jnp.where(jnp.isfinite(x), score, 2.0)

@@ -1,10 +1,7 @@
-"""The structured codecs' specs: what `powersgd:...` and `ae:...` mean.
-
-Only the immutable spec objects live here, so that `codecs.parse` reads every
-codec without importing anything above this package; the algorithms live above
-the collectives they use (jcomp.powersgd, jcomp.autoencoder). `kind` says where
-each may stand (policy.PLACEMENT): "lowrank" at data.grad, "learned" at
-tensor.act/act_grad.
+"""The structured codecs' specs, `powersgd:...` and `ae:...`: only the immutable
+spec objects, so that `codecs.parse` reads every codec without importing from
+above; the algorithms live above the collectives they use (jcomp.powersgd,
+jcomp.autoencoder). Where each `kind` may stand: policy.PLACEMENT.
 """
 from __future__ import annotations
 

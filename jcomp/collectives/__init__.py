@@ -3,22 +3,14 @@
     from jcomp import collectives as cc
     y = cc.psum(x, "data", codec="int8")           # inside jax.shard_map
 
-Every function takes its `jax.lax` twin's arguments plus `codec=` (what the
-forward collective sends), `bwd_codec=` (the backward's; default `codec`),
-`key=` (for codecs that draw random numbers) and `bucket_bytes=`. With
-`codec="none"` a call on one array *is* the `jax.lax` call; a pytree gives
-lax's results bitwise, its leaves bucketed into a few messages. What each op
-sends, and the rules below, are tabled in the README ("Using the collectives").
-
-What travels is the codec's payload, never a decoded full-precision array
-(`kernels`); where a codec cannot send fewer bytes than the raw operand the call
-sends it raw and warns. Gradients come from one `custom_vjp` factory (`_coded`):
-the backward pass is the transpose of the `jax.lax` op, sent with `bwd_codec`.
-Under `shard_map(check_vma=True)` a `cc.psum` result is invariant over the
-summed axes, as `lax.psum`'s, and its backward moves nothing; under
-`check_vma=False` every operand counts as varying and psum's backward is a
-(compressed) psum. Results are named `REMAT_NAMES[op]` for name-based remat
-policies (a policy testing the primitive sees a `custom_vjp` call instead).
+Each op takes its `jax.lax` twin's arguments plus `codec=`, `bwd_codec=` (the
+backward's; default `codec`), `key=` and `bucket_bytes=`; `codec="none"` on one
+array *is* the lax call. What travels is the codec's payload (`kernels`), or the
+raw operand, with a warning, where the codec cannot send fewer bytes. Gradients
+come from one `custom_vjp` factory (`_coded`): the transpose of the lax op, sent
+with `bwd_codec`. Results are named `REMAT_NAMES[op]` for remat policies. The
+README ("Using the collectives") tables what each op sends, forward and back,
+and how `check_vma` changes psum's backward.
 """
 from __future__ import annotations
 
@@ -45,9 +37,7 @@ REMAT_NAMES = {op: f"jcomp_{op}" for op in
 
 
 _axes = kernels.axes_of
-parse = kernels.parse
-check_key = kernels.check_key
-device_key = kernels.device_key
+parse, check_key, device_key = kernels.parse, kernels.check_key, kernels.device_key
 
 
 def vary(x, axes):
@@ -65,11 +55,6 @@ def _varying(x) -> frozenset:
 def _checked(axes) -> bool:
     """True under shard_map(check_vma=True): there an axis index varies over its axis."""
     return axes[0] in _varying(lax.axis_index(axes[0]))
-
-
-def _bwd_key(key):
-    """The backward pass draws its own randomness, distinct from the forward's."""
-    return None if key is None else jax.random.fold_in(key, 1)
 
 
 def _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups=None):
@@ -105,14 +90,11 @@ def _coded(fwd, bwd):
     def op(static, x, key):
         return run(fwd, 1, static, x, key)
 
+    # The backward pass draws its own randomness, distinct from the forward's.
+    bwd_key = lambda key: None if key is None else jax.random.fold_in(key, 1)
     op.defvjp(lambda static, x, key: (run(fwd, 1, static, x, key), key),
-              lambda static, key, ct: (run(bwd, 2, static, ct, _bwd_key(key)), None))
+              lambda static, key, ct: (run(bwd, 2, static, ct, bwd_key(key)), None))
     return op
-
-
-def _named(op, tree):
-    """The results of a coded call, each named for remat policies."""
-    return jax.tree.map(lambda v: checkpoint_name(v, REMAT_NAMES[op]), tree)
 
 
 def _allreduce_bwd(ct, axes, codec, key, checked):
@@ -162,7 +144,8 @@ def _tree(op, x, ready, to_rows, from_rows, lax_send, coded_send, key, bucket_by
         return bucketed(x, lambda leaf: (leaf, axes), to_rows, from_rows,
                         lambda buf, live, k: lax_send(buf, live), None, bucket_bytes)
     prepare = prepare or (lambda leaf: (_vary(leaf, axes), axes))
-    return _named(op, bucketed(x, prepare, to_rows, from_rows, coded_send, key, bucket_bytes))
+    out = bucketed(x, prepare, to_rows, from_rows, coded_send, key, bucket_bytes)
+    return jax.tree.map(lambda v: checkpoint_name(v, REMAT_NAMES[op]), out)
 
 
 def psum(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, key=None,

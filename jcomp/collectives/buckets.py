@@ -9,6 +9,8 @@ small next to device memory (DDP picks 25 MiB).
 """
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 
@@ -58,10 +60,7 @@ def bucketed(x, prepare, to_rows, from_rows, send, key, bucket_bytes):
         sent = send(buf, keys[members[0]][0], k)
         single = not isinstance(sent, tuple)
         sent = (sent,) if single else sent
-        bounds, total = [], 0
-        for p in parts[:-1]:
-            total += p.shape[1]
-            bounds.append(total)
+        bounds = list(itertools.accumulate(p.shape[1] for p in parts[:-1]))
         pieces = [jnp.split(s, bounds, axis=1) if bounds else [s] for s in sent]
         for pos, j in enumerate(members):
             i = todo[j]

@@ -20,12 +20,9 @@ def psum_ef(x, residual, axis_name, *, codec, key=None, bucket_bytes=DEFAULT_BUC
     def send(buf, axes, c, k):
         return kernels.allreduce(buf, axes, c, k, op="psum_ef")
 
-    def done(got, leaf):
-        total, sent = got
-        return total.reshape(leaf.shape), sent.reshape(leaf.shape)
-
     return _ef(x, residual, axis_name, codec, key, bucket_bytes, lambda leaf: leaf.reshape(1, -1),
-               send, done, lambda leaf: lax.psum(leaf, axis_name))
+               send, lambda got, leaf: tuple(g.reshape(leaf.shape) for g in got),
+               lambda leaf: lax.psum(leaf, axis_name))
 
 
 def psum_scatter_ef(x, residual, axis_name, *, scatter_dimension=0, tiled=False, codec,

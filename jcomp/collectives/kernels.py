@@ -1,7 +1,6 @@
 """Coded collective kernels on flat rows, and the choice between coded and raw.
 
-Every kernel works inside `shard_map` on rows `x_RxM` (R = 1 or G, the devices
-along `axes`, the mesh axes the value varies over; M elements per row):
+Inside `shard_map`, on rows `x_RxM` (R = 1 or G, the devices along `axes`):
 
   allreduce(x_1xM)       -> (sum 1xM, what this device was sent as 1xM f32)
   reduce_scatter(x_GxM)  -> (row r of the sum 1xM f32, what was sent GxM f32)
@@ -9,11 +8,10 @@ along `axes`, the mesh axes the value varies over; M elements per row):
   permute(x_1xM, perm)   -> 1xM
   exchange(x_GxM)        -> GxM (row i from device i)
 
-A payload travels as one uint8 buffer per row. `plan` (`allreduce_plan` for an
-all-reduce, which also picks its form) decides from static shapes whether the
-codec sends fewer bytes than the raw rows; where it cannot, the kernel runs the
-`jax.lax` op raw inside the named scope `RAW_SCOPE.format(codec)`, which the
-compiled program keeps (jcomp.wire reports it), and warns once per call site.
+A payload travels as one uint8 buffer per row. `plan` (`allreduce_plan`, which
+also picks the form) decides from static shapes whether the codec sends fewer
+bytes than the raw rows; where not, the `jax.lax` op runs raw in the named scope
+`RAW_SCOPE.format(codec)`, which jcomp.wire reports, and a warning says so.
 """
 from __future__ import annotations
 
@@ -41,13 +39,6 @@ def _caller_level() -> int:
             ("jcomp.collectives", "jax", "contextlib")):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def warn_raw(op: str, codec, elements: int, n: int, dtype):
-    warnings.warn(
-        f"jcomp.collectives.{op}: codec {str(codec)!r} cannot send fewer bytes than the "
-        f"uncompressed operand ({elements} {jnp.dtype(dtype).name} elements per row over "
-        f"{n} devices); this call sends it raw", RawSendWarning, stacklevel=_caller_level())
 
 
 def vary(x, axes):
@@ -115,12 +106,6 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def chunk_len(codec, m: int, n: int) -> int:
-    """Elements per owner chunk of an all-reduce of m elements over n devices."""
-    per_owner = max(-(-m // n), 1)
-    return _round_up(per_owner, _codecs.fit(codec, per_owner).row_multiple)
-
-
 def plan(codec, rows: int, m: int, dtype):
     """The codec (fitted to the row length) a collective sends `rows` x `m`
     elements with, or None where it cannot send fewer bytes than the raw
@@ -137,7 +122,7 @@ def allreduce_plan(codec, m: int, n: int, dtype):
     elements over n devices, or None where no form sends fewer bytes per device
     than lax.psum's 2(n-1)/n rows.
 
-      "owners"  all_to_all of n coded chunks (rows of `chunk_len`), each owner
+      "owners"  all_to_all of n coded chunks (m/n, whole blocks), each owner
                 sums its chunk and all_gathers the coded sum: (n-1)/n of n coded
                 chunks, twice.
       "gather"  all_gather of every device's coded row (m padded to whole
@@ -148,7 +133,8 @@ def allreduce_plan(codec, m: int, n: int, dtype):
     instead of two (the owners' re-coding of their sums is gone)."""
     if codec.kind == "identity":
         return None
-    c = chunk_len(codec, m, n)
+    per_owner = max(-(-m // n), 1)
+    c = _round_up(per_owner, _codecs.fit(codec, per_owner).row_multiple)
     owners = _codecs.fit(codec, c)
     owners_bytes = (n - 1) / n * (owners.wire_bytes((n, c), dtype)
                                   + n * owners.wire_bytes((1, c), dtype))
@@ -216,8 +202,8 @@ def _all_to_all(payload, axes):
     return _send(payload, lambda a: lax.all_to_all(a, axes, 0, 0, tiled=True))
 
 
-def _all_gather(payload, axes, to):
-    return _send(payload, lambda a: lax.all_gather(a, axes, axis=0, tiled=True, to=to))
+def _all_gather(payload, axes):
+    return _send(payload, lambda a: lax.all_gather(a, axes, axis=0, tiled=True, to="invarying"))
 
 
 def _sum_rows(codec, payload, n: int, m: int):
@@ -226,7 +212,7 @@ def _sum_rows(codec, payload, n: int, m: int):
         values, indices = payload["values"], payload["indices"]
         return jnp.zeros((m,), jnp.float32).at[indices.reshape(-1)].add(
             values.reshape(-1).astype(jnp.float32))
-    if _in_basis(codec):
+    if getattr(codec, "rot", False):
         return codec.from_basis(_sum_in_basis(codec, payload, n), _view(codec, m),
                                 jnp.float32).reshape(m)
     rows = [codec.decode(jax.tree.map(lambda a: a[i], payload), _view(codec, m), jnp.float32)
@@ -234,15 +220,10 @@ def _sum_rows(codec, payload, n: int, m: int):
     return _add_all(rows).reshape(m)
 
 
-def _in_basis(codec) -> bool:
-    """Whether sums are taken in the codec's rotated basis: a rotation is linear, so
-    the sum of rotated rows is the rotation of their sum, and summing before the
-    inverse rotation runs it once instead of once per row."""
-    return getattr(codec, "rot", False)
-
-
 def _sum_in_basis(codec, payload, n: int):
-    """The n rows of `payload` summed in the codec's basis -> float32 blocks."""
+    """The n rows of `payload` summed in the codec's rotated basis -> float32 blocks.
+    A rotation is linear, so the sum of rotated rows is the rotation of their sum:
+    summing first runs the inverse rotation once instead of once per row."""
     return _add_all([codec.decode_basis(jax.tree.map(lambda a: a[i], payload))
                      for i in range(n)])
 
@@ -256,17 +237,16 @@ def _add_all(rows):
     return rows[0]
 
 
-def _split(key, n=2):
-    return (None,) * n if key is None else tuple(jax.random.split(key, n))
-
-
 # ---------------------------------------------------------------- kernels
 
 def _raw(op, codec, m, n, dtype, fn, *args):
     """The lax op on the raw rows; for a real codec, marked and warned about."""
     if codec.kind == "identity":
         return fn(*args)
-    warn_raw(op, codec, m, n, dtype)
+    warnings.warn(
+        f"jcomp.collectives.{op}: codec {str(codec)!r} cannot send fewer bytes than the "
+        f"uncompressed operand ({m} {jnp.dtype(dtype).name} elements per row over "
+        f"{n} devices); this call sends it raw", RawSendWarning, stacklevel=_caller_level())
     with jax.named_scope(RAW_SCOPE.format(codec)):
         return fn(*args)
 
@@ -298,7 +278,7 @@ def _allreduce_gathered(x_1xM, axes, fitted, g, key):
     them, in one order on every device, so the sum is the same everywhere."""
     n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
     payload = encode(fitted, _padded_rows(x_1xM, 1, g), key)
-    total = _sum_rows(fitted, _all_gather(payload, axes, "invarying"), n, g)
+    total = _sum_rows(fitted, _all_gather(payload, axes), n, g)
     # Only error feedback reads `sent`; elsewhere XLA removes its computation.
     sent = decode(fitted, payload, 1, g, jnp.float32)
     return total[None, :m].astype(dtype), sent[:, :m]
@@ -309,17 +289,17 @@ def _allreduce_owners(x_1xM, axes, fitted, c, key):
     chunks, float32 sum), re-codes it and all_gathers the coded sums; a rotated
     codec's owner sums and re-codes in the rotated basis."""
     n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
-    k1, k2 = _split(key)
+    k1, k2 = (None, None) if key is None else tuple(jax.random.split(key))
     payload = encode(fitted, _padded_rows(x_1xM, n, c), k1)
     received = _all_to_all(payload, axes)
-    if _in_basis(fitted):  # the owner's sum is coded again in the basis it came in
+    if getattr(fitted, "rot", False):  # the owner's sum is coded again in the basis it came in
         own_B = _sum_in_basis(fitted, received, n)
         own_C = fitted.from_basis(own_B, _view(fitted, c), jnp.float32).reshape(c)
         coded = fitted.encode_basis(own_B[None], key=k2)
     else:
         own_C = _sum_rows(fitted, received, n, c)
         coded = encode(fitted, own_C[None], k2)
-    gathered = _all_gather(coded, axes, "invarying")
+    gathered = _all_gather(coded, axes)
     total_GxC = decode(fitted, gathered, n, c, jnp.float32)
     # The owner also re-codes its sum; charging that error to the owner's row keeps
     # "sum of what was sent == total" exact, so error feedback repairs both phases.
