@@ -18,17 +18,26 @@ subprocess each, and compares per case:
 Cases: every policy preset, and the README's example command lines (the
 overrides they show), on the meshes (8,1,1), (2,2,2), (1,2,4) and (4,1,2).
 The model is configs/base.py's with n_layers 4 (pipeline 4 divides it) and
-batch 16 (data 8 x 2 microbatches), warm-up 2 steps (of 5). Results of clean code are kept in --out/stepsN/<code id>/<case>.json (the id
-hashes the trees of jcomp/, configs/ and train.py, so a commit of docs or
-tests keeps them), so an interrupted run resumes (dirty code's are rerun);
---out/report.json holds the comparison. Exit 1 when any case differs.
+batch 16 (data 8 x 2 microbatches), warm-up 2 steps (of 5).
+
+Results of clean code are kept in --out/stepsN/<code id>-<machine id>/<case>.json,
+so an interrupted run resumes (dirty code's are rerun). The code id hashes the
+trees of jcomp/, configs/ and train.py, so a commit of docs or tests keeps
+them; the machine id hashes the versions of jax, jaxlib and numpy and the CPU's
+model and instruction-set flags, because the same code on another machine or
+build rounds differently in the last bits (XLA:CPU picks its kernels by the
+CPU's features), and results of two machines are never compared.
+--out/report_<before>_<after>.json holds the comparison. Exit 1 when any case
+differs.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -118,14 +127,37 @@ def _code_id(root) -> tuple[str, bool]:
     return hashlib.sha1(" ".join(trees).encode()).hexdigest()[:10], not dirty
 
 
+def machine() -> dict:
+    """What besides the code decides a run's last bits: the numeric packages'
+    versions and the CPU (XLA:CPU compiles for the features it finds)."""
+    info = {p: importlib.metadata.version(p) for p in ("jax", "jaxlib", "numpy")}
+    info["machine"] = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict((k.strip(), v.strip()) for k, v in
+                          (line.split(":", 1) for line in f if ":" in line))
+        info["cpu"] = fields.get("model name", "")
+        info["cpu_flags"] = " ".join(sorted(fields.get("flags", "").split()))
+    except OSError:
+        info["cpu"] = platform.processor()
+    return info
+
+
+def machine_id() -> str:
+    return hashlib.sha1(json.dumps(machine(), sort_keys=True).encode()).hexdigest()[:8]
+
+
 def side(name, code_root, out_dir, steps, only, run=True):
     """Runs the cases with the code at `code_root`; results of clean code are kept
-    under out_dir/stepsN/CODE_ID/ and reused, dirty code's are rerun every time."""
+    under out_dir/stepsN/CODE_ID-MACHINE_ID/ and reused, dirty code's are rerun."""
     code, clean = _code_id(code_root)
-    keep = os.path.join(out_dir, f"steps{steps}", code if clean else code + "-dirty")
+    keep = os.path.join(out_dir, f"steps{steps}",
+                        f"{code}-{machine_id()}" + ("" if clean else "-dirty"))
     os.makedirs(keep, exist_ok=True)
     with open(os.path.join(keep, "commit"), "w") as f:
         f.write(_rev(code_root) + "\n")
+    with open(os.path.join(keep, "machine.json"), "w") as f:
+        json.dump(machine(), f, indent=1)
     results = {}
     for case, flags, mesh in cases(only):
         path = os.path.join(keep, case + ".json")
@@ -211,9 +243,11 @@ def main(argv=None):
     rows = compare(before, after)
     bad = {c: r for c, r in rows.items() if r["problems"]}
     missing = sorted(set(before) ^ set(after))
-    report = {"before": before_rev, "after": _rev(args.after), "steps": args.steps,
-              "cases": rows, "not_compared": missing}
-    with open(os.path.join(args.out, "report.json"), "w") as f:
+    after_rev = _rev(args.after)
+    report = {"before": before_rev, "after": after_rev, "steps": args.steps,
+              "machine": machine(), "cases": rows, "not_compared": missing}
+    path = os.path.join(args.out, f"report_{before_rev[:7]}_{after_rev[:7]}.json")
+    with open(path, "w") as f:
         json.dump(report, f, indent=1)
     ran = [r for r in rows.values() if "bitwise" in r]
     print(f"{len(rows)} cases compared ({len(missing)} kept on one side only), "
@@ -222,6 +256,7 @@ def main(argv=None):
           f"{len(bad)} differ")
     for c, r in bad.items():
         print(f"  {c}: " + "; ".join(r["problems"]))
+    print(f"wrote {path}")
     return 1 if bad else 0
 
 
