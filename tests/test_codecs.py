@@ -616,6 +616,9 @@ def test_parse_rejects_bad_specs(spec):
     with pytest.raises(ValueError) as info:
         codecs.parse(spec)
     assert repr(spec) in str(info.value) and "Valid forms" in str(info.value)
+    # One error, said once: a reader's error is not wrapped in another's.
+    assert str(info.value).count("invalid codec spec") == 1
+    assert str(info.value).count("Valid forms") == 1
 
 
 def test_constructors_validate():

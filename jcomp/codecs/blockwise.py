@@ -40,6 +40,10 @@ def _to_blocks(x, block: int):
     return x.reshape(*x.shape[:-1], nb, block)
 
 
+def _max_abs(a, b):
+    return jax.lax.max(jax.lax.abs(a), jax.lax.abs(b))
+
+
 def _block_absmax(x_RxNBxBL):
     """max |x| over each block -> (*lead, NB); NaN if the block holds a NaN.
 
@@ -49,8 +53,7 @@ def _block_absmax(x_RxNBxBL):
     lets XLA fuse whatever computes x (a decoded sum) into the reduction.
     """
     zero = jnp.zeros((), x_RxNBxBL.dtype)
-    max_abs = lambda a, b: jax.lax.max(jax.lax.abs(a), jax.lax.abs(b))
-    return jax.lax.reduce(x_RxNBxBL, zero, max_abs, (x_RxNBxBL.ndim - 1,))
+    return jax.lax.reduce(x_RxNBxBL, zero, _max_abs, (x_RxNBxBL.ndim - 1,))
 
 
 def _block_scale(x_RxNBxBL, qmax: float):
@@ -343,7 +346,7 @@ def block_options(spec, opts, *, allow_sr: bool):
         try:
             block = int(opt.partition("=")[2])
         except ValueError:
-            block = 0
+            raise _bad(spec, f"block must be a positive int, got {opt!r}") from None
         if block <= 0:
             raise _bad(spec, f"block must be a positive int, got {opt!r}")
     return block, "sr" in opts, "rot" in opts

@@ -19,8 +19,9 @@ def byte_codec(spec: str, name: str, opts: list):
             raise _bad(spec, f"{name!r} takes no options")
         return plain[name]()
     if name in ("int8", "int4", "int2"):
+        block, sr, rot = block_options(spec, opts, allow_sr=True)  # its errors name the spec
         try:  # IntQuant refuses a rotation over a block that is no power of two
-            return IntQuant(int(name[3:]), *block_options(spec, opts, allow_sr=True))
+            return IntQuant(int(name[3:]), block, sr, rot)
         except ValueError as e:
             raise _bad(spec, str(e)) from None
     if name == "fp8":
