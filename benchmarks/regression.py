@@ -143,21 +143,23 @@ def machine() -> dict:
     return info
 
 
-def machine_id() -> str:
-    return hashlib.sha1(json.dumps(machine(), sort_keys=True).encode()).hexdigest()[:8]
+def machine_id(info: dict) -> str:
+    """A short id of `machine()`'s answer."""
+    return hashlib.sha1(json.dumps(info, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def side(name, code_root, out_dir, steps, only, run=True):
     """Runs the cases with the code at `code_root`; results of clean code are kept
     under out_dir/stepsN/CODE_ID-MACHINE_ID/ and reused, dirty code's are rerun."""
     code, clean = _code_id(code_root)
+    info = machine()
     keep = os.path.join(out_dir, f"steps{steps}",
-                        f"{code}-{machine_id()}" + ("" if clean else "-dirty"))
+                        f"{code}-{machine_id(info)}" + ("" if clean else "-dirty"))
     os.makedirs(keep, exist_ok=True)
     with open(os.path.join(keep, "commit"), "w") as f:
         f.write(_rev(code_root) + "\n")
     with open(os.path.join(keep, "machine.json"), "w") as f:
-        json.dump(machine(), f, indent=1)
+        json.dump(info, f, indent=1)
     results = {}
     for case, flags, mesh in cases(only):
         path = os.path.join(keep, case + ".json")

@@ -25,7 +25,7 @@ def test_kept_results_are_reused_only_on_the_machine_that_made_them(tmp_path, mo
     here = {"jax": "1", "jaxlib": "1", "numpy": "1", "machine": "x86_64", "cpu": "A",
             "cpu_flags": "avx2"}
     monkeypatch.setattr(reg, "machine", lambda: here)
-    kept = tmp_path / "steps5" / f"c0de-{reg.machine_id()}"
+    kept = tmp_path / "steps5" / f"c0de-{reg.machine_id(here)}"
     kept.mkdir(parents=True)
     result = {"rc": 0, "losses": {"1": 5.5}, "bytes": {"wire_bytes_total": 10}}
     (kept / "baseline-8x1x1.json").write_text(json.dumps(result))
