@@ -1,6 +1,5 @@
 """benchmarks/collectives.py: its smallest run end to end, and its argument checks."""
 import datetime
-import importlib.util
 import json
 import os
 import pathlib
@@ -10,6 +9,7 @@ import sys
 import jax
 import pytest
 
+import benchscripts
 from jcomp import wire
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -18,10 +18,7 @@ OPS = ["psum", "psum_scatter", "all_gather", "ppermute", "all_to_all"]
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_collectives", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchscripts.load("collectives")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """benchmarks/convergence.py and benchmarks/report.py: a --quick run end to end,
 the reuse of finished runs, and the bookkeeping of gaps, byte ratios and claims."""
-import importlib.util
 import json
 import math
 import os
@@ -9,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+import benchscripts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXES = ("data", "tensor", "pipeline")
@@ -19,12 +20,7 @@ QUICK_ENV = dict(os.environ, JAX_PLATFORMS="cpu",
                            "--xla_backend_optimization_level=0")
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+_load = benchscripts.load
 
 
 conv = _load("convergence")

@@ -1,7 +1,6 @@
 """benchmarks/parallel.py: its smallest run end to end, the bubble bookkeeping and
 its argument checks."""
 import datetime
-import importlib.util
 import json
 import os
 import pathlib
@@ -11,6 +10,7 @@ import sys
 import jax
 import pytest
 
+import benchscripts
 from jcomp import wire
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -20,10 +20,7 @@ QUICK_XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimi
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_parallel", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchscripts.load("parallel")
 
 
 @pytest.fixture(scope="module")

@@ -1,21 +1,12 @@
 """benchmarks/regression.py: kept results are reused only for the same code on
 the same machine, and a comparison flags what differs."""
-import importlib.util
 import json
 import pathlib
 
+import benchscripts
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "regression.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_regression", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-reg = _load()
+reg = benchscripts.load("regression")
 
 
 def test_kept_results_are_reused_only_on_the_machine_that_made_them(tmp_path, monkeypatch):

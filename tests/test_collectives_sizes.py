@@ -1,6 +1,5 @@
 """jcomp.collectives at users' sizes: raw sends, bucketing, pmean, invariant
 operands, check_vma=False and remat names."""
-import importlib.util
 import pathlib
 import warnings
 
@@ -12,6 +11,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import benchscripts
 from jcomp import codecs
 from jcomp import collectives as cc
 from jcomp import wire
@@ -29,10 +29,7 @@ def _put(mesh, x, spec=P("x")):
 
 
 def _sizes_module():
-    spec = importlib.util.spec_from_file_location("bench_sizes", ROOT / "benchmarks" / "sizes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchscripts.load("sizes")
 
 
 def test_no_cell_sends_more_than_lax_except_named_raw_sends():

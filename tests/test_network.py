@@ -1,7 +1,6 @@
 """benchmarks/network.py: train.py over a throttled loopback in a private
 network namespace, checked against jcomp.wire's byte meter."""
 import functools
-import importlib.util
 import json
 import os
 import pathlib
@@ -12,18 +11,11 @@ import time
 
 import pytest
 
+import benchscripts
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "network.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_network", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-net = _load()
+net = benchscripts.load("network")
 
 
 @functools.cache
@@ -227,10 +219,7 @@ def test_a_signal_inside_popen_still_kills_every_child(tmp_path, monkeypatch, si
 def test_the_report_names_what_the_hybrid_rows_ran_at_each_commit():
     """The hybrid preset changed twice; a sweep's hybrid rows are labelled with the
     preset of the commit that ran them, not today's."""
-    spec = importlib.util.spec_from_file_location("bench_report_network",
-                                                  ROOT / "benchmarks" / "report_network.py")
-    rep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rep)
+    rep = benchscripts.load("report_network")
     def rev(ref):
         return subprocess.run(["git", "rev-parse", ref], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()

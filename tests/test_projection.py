@@ -1,25 +1,12 @@
 """benchmarks/projection.py: the alpha-beta model against hand-computed cases."""
-import importlib.util
 import json
 import math
-import pathlib
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+import benchscripts
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_projection",
-                                                  ROOT / "benchmarks" / "projection.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-proj = _load()
+proj = benchscripts.load("projection")
 MESH1 = {"data": 1, "tensor": 1, "pipeline": 1}
 INTRA = {"data": "intra", "tensor": "intra", "pipeline": "intra"}
 
@@ -155,15 +142,7 @@ def test_measured_ratios_need_baseline_and_a_compressed_run(tmp_path):
 
 # ---------------------------------------------------------------- the throttled link
 
-def _link():
-    spec = importlib.util.spec_from_file_location("bench_linkprofile",
-                                                  ROOT / "benchmarks" / "linkprofile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-link = _link()
+link = benchscripts.load("linkprofile")
 RATES = {"unthrottled": None, "1gbit": 1e9, "300mbit": 3e8, "100mbit": 1e8}
 
 
@@ -256,9 +235,7 @@ def test_link_report_needs_the_baseline_rows():
 
 
 def test_report_states_the_projection_with_communication_hidden_behind_compute():
-    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks" / "report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = benchscripts.load("report")
 
     def row(compute, comm, codec):
         total = compute + comm + codec
