@@ -176,13 +176,32 @@ def test_existing_step_is_never_overwritten(run_dir, mesh, caplog):
 # ------------------------------------------------------------------ damaged steps
 
 
+_ZSTD_MAGIC = bytes.fromhex("28b52ffd")
+
+
 def _flip_bulk_byte(step_dir):
-    """Flips one bit in the middle of the largest array data file: orbax keeps no
-    checksum over these bytes, so only the stored checksums can notice."""
-    f = max(glob.glob(str(step_dir / "state" / "ocdbt.process_*" / "d" / "*")), key=os.path.getsize)
-    b = bytearray(open(f, "rb").read())
-    b[len(b) // 2] ^= 0x01
-    open(f, "wb").write(bytes(b))
+    """Flips one bit in the middle of every compressed chunk of w_DxF (the only
+    array whose zstd frames pass 4 KiB): orbax keeps no checksum over these
+    bytes, so only the stored checksums can notice.
+
+    Every chunk, not one byte of the largest file: a data file may also hold a
+    stale copy of a chunk (a write that was retried), which a restore never
+    reads. A frame's middle, not the file's: a flip in a frame's first bytes
+    (headers, Huffman table) breaks decoding instead of changing values."""
+    flipped = 0
+    for f in glob.glob(str(step_dir / "state" / "ocdbt.process_*" / "d" / "*")):
+        b = bytearray(open(f, "rb").read())
+        starts, i = [], b.find(_ZSTD_MAGIC)
+        while i >= 0:
+            starts.append(i)
+            i = b.find(_ZSTD_MAGIC, i + 1)
+        starts.append(len(b))
+        for start, end in zip(starts, starts[1:]):
+            if end - start > 4096:
+                b[(start + end) // 2] ^= 0x01
+                flipped += 1
+        open(f, "wb").write(bytes(b))
+    assert flipped, f"no zstd frame of w_DxF found under {step_dir}: the damage did nothing"
 
 
 def _truncate_btree(step_dir):
