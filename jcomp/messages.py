@@ -42,6 +42,10 @@ class Message:
     size: int = 1  # devices along `axis`; 1: the message moves nothing
     places: tuple = ()
     place: str = ""  # "layers", "stages" or ""
+    # What a lossy codec may mix (jcomp.collectives' `rows`): "independent" codes
+    # every token's vector on its own, so no token's values reach another's;
+    # "flat" codes flat buckets of gradients or parameters across leaves.
+    rows: str = "independent"
 
     def __post_init__(self):
         object.__setattr__(self, "codecs", tuple(self.codecs))
@@ -143,10 +147,11 @@ def plan(pol, n_layers: int, mesh_shape: Mapping[str, int]) -> Plan:
     lowrank = _kind(pol["data", "grad"]) == "lowrank"
     sent = (
         Message("grad_reduce", "data.grad", "update", "all-reduce" if lowrank else "reduce-scatter",
-                one("data", "grad"), d),
-        Message("param_gather", "data.param", "update", "all-gather", one("data", "param"), d),
+                one("data", "grad"), d, rows="flat"),
+        Message("param_gather", "data.param", "update", "all-gather", one("data", "param"), d,
+                rows="flat"),
         Message("ae_grad_sum", "tensor.grad", "update", "all-reduce", one("tensor", "grad"),
-                t if learned else 1),
+                t if learned else 1, rows="flat"),
         Message("embed_sum", "tensor.act", "forward", "all-reduce",
                 [_rest(pol["tensor", "act"])], t),
         Message("head_entry_grad", "tensor.act_grad", "backward", "all-reduce",
@@ -169,4 +174,4 @@ def plan(pol, n_layers: int, mesh_shape: Mapping[str, int]) -> Plan:
 def table(pl: Plan) -> list[dict[str, Any]]:
     """One row per message that exists (a report's or a README's table)."""
     return [{"message": m.name, "entry": m.entry, "axis": m.axis, "direction": m.direction,
-             "op": m.op, "codec": m.describe()} for m in pl.messages()]
+             "op": m.op, "codec": m.describe(), "rows": m.rows} for m in pl.messages()]

@@ -391,7 +391,8 @@ def _gather_params(master_leaves, p_leaves, codec, key, bucket_bytes):
     there), un-padded, reshaped to the local param shapes and cast to their dtypes."""
     with wire.message_scope(PARAM_GATHER):
         gathered = cc.all_gather([m.reshape(-1) for m in master_leaves], "data", tiled=True,
-                                 to="invarying", codec=codec, key=key, bucket_bytes=bucket_bytes)
+                                 to="invarying", codec=codec, key=key, rows="flat",
+                                 bucket_bytes=bucket_bytes)
     return [x[:p.size].reshape(p.shape).astype(p.dtype) for x, p in zip(gathered, p_leaves)]
 
 
@@ -400,7 +401,8 @@ def _reduce(flats, res, codec, key, bucket_bytes):
 
     A reduce-scatter at either ZeRO stage: each rank keeps only its slice of the sum,
     so an all-reduce would send twice the bytes for the same update."""
-    kw = dict(scatter_dimension=0, tiled=True, codec=codec, key=key, bucket_bytes=bucket_bytes)
+    kw = dict(scatter_dimension=0, tiled=True, codec=codec, key=key, rows="flat",
+              bucket_bytes=bucket_bytes)
     with wire.message_scope(GRAD_REDUCE):
         if res is not None:
             return cc.psum_scatter_ef(flats, res, "data", **kw)

@@ -136,20 +136,27 @@ def embed_lookup(embed_VtxD, tokens_BxL, dtype, embed_sum):
     rows_BxLxD = gpt.embed(embed_VtxD, jnp.where(mine_BxL, local_BxL, 0), jnp.float32)
     part_BxLxD = jnp.where(mine_BxL[..., None], rows_BxLxD, 0.0).astype(dtype)
     with wire.message_scope(embed_sum.name):
-        return cc.psum(part_BxLxD, TENSOR, codec=embed_sum.codec)
+        return cc.psum(part_BxLxD, TENSOR, codec=embed_sum.codec, rows=embed_sum.rows)
 
 
-def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, head_entry_grad):
-    """Final LayerNorm, vocab-parallel logits and exact cross-entropy. -> mean loss (f32).
-    The head's input enters the tensor ranks with `head_entry_grad` backward."""
+def vocab_parallel_logits(params, h_BxLxD, cfg, head_entry_grad):
+    """Final LayerNorm and this tensor rank's vocabulary shard of the logits ->
+    float32 [B, L, V/T]. The head's input enters the tensor ranks with
+    `head_entry_grad` backward."""
     final_ln = gpt._final_ln(cfg)
     h_BxLxD = final_ln.apply({"params": params["final_ln"]}, h_BxLxD.astype(jnp.float32))
     with wire.message_scope(backward=head_entry_grad.name):
         h_BxLxD = cc.copy_to_parallel(h_BxLxD.astype(cfg.compute_dtype), TENSOR,
-                                      bwd_codec=head_entry_grad.codec)
+                                      bwd_codec=head_entry_grad.codec, rows=head_entry_grad.rows)
     w_VtxD = params["embed"] if cfg.tie_embeddings else params["head"]
-    logits_BxLxVt = jnp.einsum("bld,vd->blv", h_BxLxD, w_VtxD.astype(cfg.compute_dtype),
-                               preferred_element_type=jnp.float32)
+    return jnp.einsum("bld,vd->blv", h_BxLxD, w_VtxD.astype(cfg.compute_dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def vocab_parallel_loss(params, h_BxLxD, targets_BxL, cfg, head_entry_grad):
+    """Vocab-parallel logits and exact cross-entropy. -> mean loss (f32)."""
+    logits_BxLxVt = vocab_parallel_logits(params, h_BxLxD, cfg, head_entry_grad)
+    w_VtxD = params["embed"] if cfg.tie_embeddings else params["head"]
     start, v_local = _vocab_range(w_VtxD)
     max_BxL = lax.pmax(lax.stop_gradient(logits_BxLxVt).max(-1), TENSOR)
     sumexp_BxL = lax.psum(jnp.exp(logits_BxLxVt - max_BxL[..., None]).sum(-1), TENSOR)
@@ -172,17 +179,20 @@ def _scoped(fn, forward="", backward=""):
     return call
 
 
-def _tp_hooks(exit_codec, enter_codec, names=("", "")):
-    """(tp_enter, tp_exit, model coders) of one layer; `names`: the exit and entry
-    messages'. A learned autoencoder codes the message inside the block
-    (jcomp.autoencoder): its collective moves the code as it is."""
+def _tp_hooks(exit_codec, enter_codec, block_exit, block_entry_grad):
+    """(tp_enter, tp_exit, model coders) of one layer, sending its codecs of the
+    messages block_exit and block_entry_grad. A learned autoencoder codes the
+    message inside the block (jcomp.autoencoder): its collective moves the code
+    as it is."""
     learned = lambda c: c.kind == "learned"
     enter = _scoped(functools.partial(cc.copy_to_parallel, axis_name=TENSOR,
-                                      bwd_codec="none" if learned(enter_codec) else enter_codec),
-                    backward=names[1])
+                                      bwd_codec="none" if learned(enter_codec) else enter_codec,
+                                      rows=block_entry_grad.rows),
+                    backward=block_entry_grad.name)
     leave = _scoped(functools.partial(cc.psum, axis_name=TENSOR,
-                                      codec="none" if learned(exit_codec) else exit_codec),
-                    forward=names[0])
+                                      codec="none" if learned(exit_codec) else exit_codec,
+                                      rows=block_exit.rows),
+                    forward=block_exit.name)
     coders = {}
     if learned(exit_codec):
         coders["exit"] = autoencoder.coder("out", exit_codec.dim, exit_codec.init)
@@ -212,7 +222,7 @@ def _stage_runner(layers, cfg, block_exit, block_entry_grad, remat):
     choice = [tuple(at(s, j) for s in range(n_stages)) for j in range(n_local)]
 
     def run(variant, seg_layers, x):
-        enter, leave, coders = _tp_hooks(*variant, (block_exit.name, block_entry_grad.name))
+        enter, leave, coders = _tp_hooks(*variant, block_exit, block_entry_grad)
         return gpt.apply_layers(seg_layers, x, cfg=cfg, tp_enter=enter, tp_exit=leave,
                                 remat=remat, coders=coders)
 
@@ -252,7 +262,8 @@ def _send(state_bxLxD, stage_send, stage_send_grad, n_stages, stage):
     out = None
     for (fwd, bwd), pairs in by_codecs.items():
         with wire.message_scope(stage_send.name, stage_send_grad.name):
-            moved = cc.ppermute(state_bxLxD, PIPE, pairs, codec=fwd, bwd_codec=bwd)
+            moved = cc.ppermute(state_bxLxD, PIPE, pairs, codec=fwd, bwd_codec=bwd,
+                                rows=stage_send.rows)
         out = moved if out is None else jnp.where(_one_of(stage, [d for _, d in pairs]),
                                                   moved, out)
     return out
@@ -270,8 +281,8 @@ def pipeline_forward(layers, x0_MxbxLxD, cfg, plan, remat):
     n_micro = x0_MxbxLxD.shape[0]
     run_stage = _stage_runner(layers, cfg, plan.block_exit, plan.block_entry_grad, remat)
     with wire.message_scope(backward=plan.first_stage_grad.name):
-        x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE,
-                                         bwd_codec=plan.first_stage_grad.codec)
+        x0_MxbxLxD = cc.copy_to_parallel(x0_MxbxLxD, PIPE, bwd_codec=plan.first_stage_grad.codec,
+                                         rows=plan.first_stage_grad.rows)
 
     def tick(t, state_bxLxD, out_MxbxLxD):
         feed = lax.dynamic_index_in_dim(x0_MxbxLxD, jnp.minimum(t, n_micro - 1), 0, False)
@@ -295,21 +306,35 @@ def pipeline_forward(layers, x0_MxbxLxD, cfg, plan, remat):
     (state, out), _ = lax.scan(body, (state, out), jnp.arange(1, n_ticks))
     last = jnp.where(stage == n_stages - 1, out, jnp.zeros_like(out))
     with wire.message_scope(plan.last_stage_sum.name):
-        return cc.psum(last, PIPE, codec=plan.last_stage_sum.codec)
+        return cc.psum(last, PIPE, codec=plan.last_stage_sum.codec,
+                       rows=plan.last_stage_sum.rows)
 
 
-def local_loss(params, batch_bxL1, cfg, plan, microbatches: int, remat: bool = False):
-    """Mean next-token loss of this data rank's rows, sending what `plan` (a
-    messages.Plan) says. Runs inside the shard_map."""
-    tokens_bxL, targets_bxL = batch_bxL1[:, :-1], batch_bxL1[:, 1:]
+def _last_hidden(params, tokens_bxL, cfg, plan, microbatches: int, remat: bool):
+    """Embedding, the pipelined layers -> the last stage's hidden states [b, L, D],
+    on every stage."""
     b, L = tokens_bxL.shape
     if L > cfg.max_seq_len:
         raise ValueError(f"sequence length {L} exceeds model.max_seq_len={cfg.max_seq_len}")
     x0_bxLxD = embed_lookup(params["embed"], tokens_bxL, cfg.compute_dtype, plan.embed_sum)
     x0_MxbxLxD = x0_bxLxD.reshape(microbatches, b // microbatches, L, cfg.d_model)
     h_MxbxLxD = pipeline_forward(params["layers"], x0_MxbxLxD, cfg, plan, remat)
-    return vocab_parallel_loss(params, h_MxbxLxD.reshape(b, L, cfg.d_model), targets_bxL, cfg,
-                               plan.head_entry_grad)
+    return h_MxbxLxD.reshape(b, L, cfg.d_model)
+
+
+def local_logits(params, tokens_bxL, cfg, plan, microbatches: int):
+    """This data rank's logits, this tensor rank's vocabulary shard: float32
+    [b, L, V/T], sending what `plan` says (the forward a causality check reads)."""
+    h_bxLxD = _last_hidden(params, tokens_bxL, cfg, plan, microbatches, False)
+    return vocab_parallel_logits(params, h_bxLxD, cfg, plan.head_entry_grad)
+
+
+def local_loss(params, batch_bxL1, cfg, plan, microbatches: int, remat: bool = False):
+    """Mean next-token loss of this data rank's rows, sending what `plan` (a
+    messages.Plan) says. Runs inside the shard_map."""
+    tokens_bxL, targets_bxL = batch_bxL1[:, :-1], batch_bxL1[:, 1:]
+    h_bxLxD = _last_hidden(params, tokens_bxL, cfg, plan, microbatches, remat)
+    return vocab_parallel_loss(params, h_bxLxD, targets_bxL, cfg, plan.head_entry_grad)
 
 
 def local_value_and_grad(params, batch_bxL1, cfg, plan, microbatches, remat=False):
@@ -331,7 +356,7 @@ def local_value_and_grad(params, batch_bxL1, cfg, plan, microbatches, remat=Fals
     if ae_names:
         with wire.message_scope(plan.ae_grad_sum.name):
             summed = cc.psum([grads["layers"][n] for n in ae_names], TENSOR,
-                             codec=plan.ae_grad_sum.codec)
+                             codec=plan.ae_grad_sum.codec, rows=plan.ae_grad_sum.rows)
         grads = {**grads, "layers": {**grads["layers"], **dict(zip(ae_names, summed))}}
     return loss, grads
 

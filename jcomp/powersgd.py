@@ -83,8 +83,8 @@ def _mm(a, b):
 def _dense(grad, residual, axis, codec, key):
     d = lax.axis_size(axis)
     if residual is None:
-        return cc.psum(grad, axis, codec=codec, key=key) / d, None
-    total, new_res = cc.psum_ef(grad, residual, axis, codec=codec, key=key)
+        return cc.psum(grad, axis, codec=codec, key=key, rows="flat") / d, None
+    total, new_res = cc.psum_ef(grad, residual, axis, codec=codec, key=key, rows="flat")
     return total / d, new_res
 
 
@@ -113,9 +113,9 @@ def reduce(grad_local, q_state, residual, axis="data", *, codec, key=None):
     if residual is not None:
         m_MxN = m_MxN + residual.astype(jnp.float32).reshape(m, n)
     p_MxR = cc.psum(_mm(m_MxN, q_state.astype(jnp.float32)), axis,
-                    codec=codec.factor_codec, key=k_p)
+                    codec=codec.factor_codec, key=k_p, rows="flat")
     p_MxR = orthogonalize(p_MxR)
-    q_NxR = cc.psum(_mm(m_MxN.T, p_MxR), axis, codec=codec.factor_codec, key=k_q)
+    q_NxR = cc.psum(_mm(m_MxN.T, p_MxR), axis, codec=codec.factor_codec, key=k_q, rows="flat")
     q_NxR = q_NxR / lax.axis_size(axis)
     approx_MxN = _mm(p_MxR, q_NxR.T)
     new_res = None if residual is None else (m_MxN - approx_MxN).reshape(shape)

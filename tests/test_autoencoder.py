@@ -13,7 +13,7 @@ from jcomp import autoencoder, codecs
 from jcomp import collectives as cc
 from jcomp import mesh as jmesh
 from jcomp import model as gpt
-from jcomp import parallel, policy, wire
+from jcomp import messages, parallel, policy, wire
 
 CFG = gpt.ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=4, d_ff=64, max_seq_len=16)
 A = 8
@@ -151,8 +151,10 @@ def test_tensor_traffic_of_the_blocks_shrinks_to_dim_over_d_model():
         layers = gpt.init_params(cfg, jax.random.key(0), coders=autoencoder.coders(pol))["layers"]
         specs = jax.tree_util.tree_map_with_path(parallel._layer_spec, layers)
         specs = jax.tree.map(lambda s: P(None, *s[1:]), specs)  # no pipeline axis here
+        pl = messages.plan(pol, cfg.n_layers, {"data": 1, "tensor": 8, "pipeline": 1})
         enter, leave, coders = parallel._tp_hooks(codecs.parse(pol["tensor", "act"]),
-                                                  codecs.parse(pol["tensor", "act_grad"]))
+                                                  codecs.parse(pol["tensor", "act_grad"]),
+                                                  pl.block_exit, pl.block_entry_grad)
 
         def body(layers, x):
             f = functools.partial(gpt.apply_layers, cfg=cfg, tp_enter=enter, tp_exit=leave,

@@ -229,3 +229,49 @@ def test_stage_selection_sends_compressed_only_from_the_selected_stages(referenc
     # Forward 1->2 and backward 2->1 carry int8 codes with their scales in one u8
     # buffer, from 2 of the 8 devices each; the other boundaries' raw f32 sends come from 4.
     assert permutes == [("f32", 0.5)] * 2 + [("u8", 0.25)] * 2
+
+
+def _tiny_logits_fn(pol):
+    """configs/tiny.py's model on its (2, 2, 2) mesh: jitted fn(params, tokens) ->
+    global logits [B, L, V], through the train step's compressed forward."""
+    from jax.sharding import PartitionSpec as P
+
+    from configs import tiny
+    from jcomp import autoencoder, messages, runspec
+
+    cfg = tiny.get_config()
+    model_cfg = runspec._model_config(cfg)
+    m = _mesh(tuple(cfg.mesh[a] for a in ("data", "tensor", "pipeline")))
+    plan = messages.plan(pol, model_cfg.n_layers, dict(m.shape))
+    params = gpt.init_params(model_cfg, jax.random.key(0), coders=autoencoder.coders(pol))
+    params = parallel.shard_params(params, m)
+    specs = parallel.param_specs(params)
+    body = lambda p, t: parallel.local_logits(p, t, model_cfg, plan, cfg.train.microbatches)
+    fn = jax.jit(jax.shard_map(body, mesh=m, in_specs=(specs, P(parallel.DATA, None)),
+                               out_specs=P(parallel.DATA, None, parallel.TENSOR),
+                               check_vma=True))
+    tokens_sharding = NamedSharding(m, P(parallel.DATA, None))
+    return fn, params, cfg, model_cfg, tokens_sharding
+
+
+@pytest.mark.parametrize("preset", ["baseline", "naive", "hybrid", "hybrid_paper", "ae"])
+def test_compressed_forward_is_causal(preset):
+    """Changing the tokens after position t leaves every logit at positions <= t
+    unchanged, bit for bit: no codec block, scale or rotation carries a later
+    token's values into an earlier token's activations. "ae": the learned
+    autoencoder on tensor activations, which codes each token's vector alone."""
+    pol = (policy.preset("baseline").replace({"tensor.act": "ae:dim=8",
+                                              "tensor.act_grad": "ae:dim=8"})
+           if preset == "ae" else policy.preset(preset))
+    fn, params, cfg, model_cfg, sharding = _tiny_logits_fn(pol)
+    b, L, t = cfg.train.batch_size, cfg.data.seq_len, cfg.data.seq_len // 2
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, model_cfg.vocab_size, (b, L), dtype=np.int32)
+    later = tokens.copy()
+    later[:, t + 1:] = (tokens[:, t + 1:] + 1 + rng.integers(0, model_cfg.vocab_size - 1,
+                                                               (b, L - t - 1))) % model_cfg.vocab_size
+    assert (later[:, t + 1:] != tokens[:, t + 1:]).all()
+    before = np.asarray(fn(params, jax.device_put(tokens, sharding)))
+    after = np.asarray(fn(params, jax.device_put(later, sharding)))
+    np.testing.assert_array_equal(after[:, :t + 1], before[:, :t + 1])
+    assert (after[:, t + 1:] != before[:, t + 1:]).any()  # the later tokens did reach the model

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from jcomp.codecs.base import Cast, Identity, Payload  # noqa: F401
-from jcomp.codecs.blockwise import DEFAULT_BLOCK, Fp8, IntQuant, fit  # noqa: F401
+from jcomp.codecs.blockwise import DEFAULT_BLOCK, Fp8, IntQuant, fit, fit_row  # noqa: F401
 from jcomp.codecs.reader import byte_codec, parse_byte, split
 from jcomp.codecs.sparse import RandK, TopK  # noqa: F401
 from jcomp.codecs.spec import VALID_FORMS  # noqa: F401

@@ -332,6 +332,23 @@ def fit(codec, m: int):
     return dataclasses.replace(codec, block=max(-(-int(m) // per) * per, per))
 
 
+def fit_row(codec, c: int):
+    """`codec` for rows of c elements that are coded each on its own (row-local):
+    no block spans two rows. A row no longer than a block gets one block that
+    covers it (`fit`); a longer row that blocks do not divide gets equal blocks,
+    as long as the codec's but fewer of them wasted on padding (300 elements:
+    two blocks of 150, not two of 256); a rotated codec keeps its power-of-two
+    block and pads each row to whole blocks."""
+    block = getattr(codec, "block", None)
+    if block is None or c <= block:
+        return fit(codec, c)
+    if c % block == 0 or getattr(codec, "rot", False):
+        return codec
+    per = 8 // codec.bits if isinstance(codec, IntQuant) else 1
+    nb = -(-int(c) // block)
+    return dataclasses.replace(codec, block=-(-(-(-int(c) // nb)) // per) * per)
+
+
 def block_options(spec, opts, *, allow_sr: bool):
     """Reads `block=N` and (if allowed) the flags `sr` and `rot`, each at most once."""
     flags, block = ("sr", "rot") if allow_sr else (), DEFAULT_BLOCK

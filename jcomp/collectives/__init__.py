@@ -4,17 +4,25 @@
     y = cc.psum(x, "data", codec="int8")           # inside jax.shard_map
 
 Each op takes its `jax.lax` twin's arguments plus `codec=`, `bwd_codec=` (the
-backward's; default `codec`), `key=` and `bucket_bytes=`; `codec="none"` on one
-array *is* the lax call. What travels is the codec's payload (`kernels`), or the
-raw operand, with a warning, where the codec cannot send fewer bytes. Gradients
-come from one `custom_vjp` factory (`_coded`): the transpose of the lax op, sent
-with `bwd_codec`. Results are named `REMAT_NAMES[op]` for remat policies. The
-README ("Using the collectives") tables what each op sends, forward and back,
-and how `check_vma` changes psum's backward.
+backward's; default `codec`), `key=`, `rows=` and `bucket_bytes=`. With both
+codecs "none" the call *is* the lax call, on any pytree. What travels is the
+codec's payload (`kernels`), or the raw operand, with a warning, where the codec
+cannot send fewer bytes. Gradients come from one `custom_vjp` factory
+(`_coded`): the transpose of the lax op, sent with `bwd_codec`. Results are
+named `REMAT_NAMES[op]` for remat policies.
+
+`rows` says what a lossy codec may mix. "independent" (the default): every
+vector along a leaf's last axis (one token's features) is coded on its own, so
+no block, scale, rotation or top-k selection spans two of them, and an output
+row depends only on the input rows lax's op would combine into it. "flat": a
+leaf is one flat vector, and leaves travel as flat buckets whose blocks may
+span leaves; for gradient and parameter buffers only. The README ("Using the
+collectives") tables what each op sends, forward and back.
 """
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +37,7 @@ from jcomp.collectives.kernels import RAW_SCOPE, RawSendWarning, vary as _vary
 __all__ = [
     "psum", "pmean", "psum_scatter", "all_gather", "ppermute", "all_to_all",
     "copy_to_parallel", "reduce_from_parallel", "psum_ef", "psum_scatter_ef", "vary",
-    "REMAT_NAMES", "DEFAULT_BUCKET_BYTES", "RAW_SCOPE", "RawSendWarning",
+    "REMAT_NAMES", "DEFAULT_BUCKET_BYTES", "RAW_SCOPE", "RawSendWarning", "ROWS",
 ]
 
 REMAT_NAMES = {op: f"jcomp_{op}" for op in
@@ -38,6 +46,7 @@ REMAT_NAMES = {op: f"jcomp_{op}" for op in
 
 _axes = kernels.axes_of
 parse, check_key, device_key = kernels.parse, kernels.check_key, kernels.device_key
+ROWS, last_row, split_row = kernels.ROWS, kernels.last_row, kernels.split_row
 
 
 def vary(x, axes):
@@ -57,15 +66,23 @@ def _checked(axes) -> bool:
     return axes[0] in _varying(lax.axis_index(axes[0]))
 
 
-def _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups=None):
-    """-> (axes, fwd codec, bwd codec, plain) or None where the jax.lax op runs on `x`
-    as it is. `plain`: both codecs are "none", and the leaves of the pytree `x`
-    travel bucketed through the jax.lax op (the same values, fewer messages)."""
+class _Ready(NamedTuple):
+    axes: tuple
+    fwd: Any
+    bwd: Any
+    rows: str
+
+
+def _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups=None):
+    """-> _Ready, or None where the jax.lax op runs on `x` as it is: both codecs
+    "none" (the lax call itself, bit for bit, on any pytree and dtype; leaves
+    are never bucketed there, since a sum over a concatenated buffer need not
+    round as the lax op does), or an axis of size 1."""
+    kernels.check_rows(rows)
     fwd = parse(codec)
     bwd = fwd if bwd_codec is None else parse(bwd_codec)
     axes = _axes(axis_name)
-    plain = fwd.kind == "identity" and bwd.kind == "identity"
-    if plain and (axis_index_groups is not None or len(jax.tree.leaves(x)) < 2):
+    if fwd.kind == "identity" and bwd.kind == "identity":
         return None
     if axis_index_groups is not None:
         raise ValueError(
@@ -74,54 +91,80 @@ def _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups=None):
     if lax.axis_size(axes) == 1:
         return None  # nothing crosses the wire over a size-1 axis
     check_key(key, fwd, bwd)
-    return axes, fwd, bwd, plain
+    return _Ready(axes, fwd, bwd, rows)
+
+
+class Sent(NamedTuple):
+    """What one coded collective needs besides its operand (static under jit)."""
+    axes: tuple
+    fwd: Any  # the forward's codec
+    bwd: Any  # the backward's codec
+    row: int | None = None  # coded row length; None: the buffer row is flat
+    extra: Any = None  # psum: under check_vma; all_gather: `to`; ppermute: the pairs
 
 
 def _coded(fwd, bwd):
-    """A custom_vjp op(static, x_RxM, key), static = (axes, fwd codec, bwd codec,
-    extra): fwd(x, axes, codec, key, extra) forward and bwd(ct, ...) backward, each
-    with its own codec and the key folded with the device's index."""
-
-    def run(f, i, static, x, key):
-        axes, codec = static[0], static[i]
-        return f(x, axes, codec, device_key(key, axes, codec), static[3])
+    """A custom_vjp op(sent: Sent, x_RxM, key): fwd(x, sent, codec, key) forward and
+    bwd(ct, sent, codec, key) backward, each with its own codec and the key folded
+    with the device's index; the backward draws its own randomness."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def op(static, x, key):
-        return run(fwd, 1, static, x, key)
+    def op(sent, x, key):
+        return fwd(x, sent, sent.fwd, device_key(key, sent.axes, sent.fwd))
 
-    # The backward pass draws its own randomness, distinct from the forward's.
-    bwd_key = lambda key: None if key is None else jax.random.fold_in(key, 1)
-    op.defvjp(lambda static, x, key: (run(fwd, 1, static, x, key), key),
-              lambda static, key, ct: (run(bwd, 2, static, ct, bwd_key(key)), None))
+    def backward(sent, key, ct):
+        key = None if key is None else jax.random.fold_in(key, 1)
+        return bwd(ct, sent, sent.bwd, device_key(key, sent.axes, sent.bwd)), None
+
+    op.defvjp(lambda sent, x, key: (op(sent, x, key), key), backward)
     return op
 
 
-def _allreduce_bwd(ct, axes, codec, key, checked):
-    if checked:  # the transpose of an all-reduce into an invariant value: no traffic
-        return _vary(ct, axes)
-    return kernels.allreduce(ct, axes, codec, key)[0]
+def _allreduce(x, s, codec, key):
+    return kernels.allreduce(x, s.axes, codec, key, row=s.row)[0]
 
 
-def _reduce_scatter(x, axes, codec, key, _):
-    return kernels.reduce_scatter(x, axes, codec, key)[0].astype(x.dtype)
+def _allreduce_bwd(ct, s, codec, key):
+    if s.extra:  # under check_vma, the transpose of an all-reduce into an invariant value
+        return _vary(ct, s.axes)
+    return _allreduce(ct, s, codec, key)
 
 
-def _gather_bwd(ct, axes, codec, key, to):
-    if to == "invarying":  # every device holds the gathered value: its row is local
-        own = lax.dynamic_index_in_dim(ct, lax.axis_index(axes), 0, keepdims=True)
-        return _vary(own, axes)
-    return _reduce_scatter(ct, axes, codec, key, None)
+def _reduce_scatter(x, s, codec, key):
+    return kernels.reduce_scatter(x, s.axes, codec, key, row=s.row)[0].astype(x.dtype)
 
 
-_PSUM = _coded(lambda x, axes, c, k, _: kernels.allreduce(x, axes, c, k)[0], _allreduce_bwd)
-_COPY = _coded(lambda x, axes, c, k, _: lax.pcast(x, axes, to="varying"), _allreduce_bwd)
-_SCATTER = _coded(_reduce_scatter, lambda ct, axes, c, k, _: kernels.gather(ct, axes, c, k,
-                                                                            "varying"))
-_GATHER = _coded(kernels.gather, _gather_bwd)
-_PERMUTE = _coded(kernels.permute, lambda ct, axes, c, k, perm: kernels.permute(
-    ct, axes, c, k, tuple((dst, src) for src, dst in perm)))
-_EXCHANGE = _coded(kernels.exchange, kernels.exchange)
+def _gather(x, s, codec, key):
+    return kernels.gather(x, s.axes, codec, key, s.extra, row=s.row)
+
+
+def _gather_bwd(ct, s, codec, key):
+    if s.extra == "invarying":  # every device holds the gathered value: its row is local
+        own = lax.dynamic_index_in_dim(ct, lax.axis_index(s.axes), 0, keepdims=True)
+        return _vary(own, s.axes)
+    return _reduce_scatter(ct, s, codec, key)
+
+
+def _permute(x, s, codec, key):
+    return kernels.permute(x, s.axes, codec, key, s.extra, row=s.row)
+
+
+def _permute_bwd(ct, s, codec, key):
+    inverse = tuple((dst, src) for src, dst in s.extra)
+    return kernels.permute(ct, s.axes, codec, key, inverse, row=s.row)
+
+
+def _exchange(x, s, codec, key):
+    return kernels.exchange(x, s.axes, codec, key, row=s.row)
+
+
+_PSUM = _coded(_allreduce, _allreduce_bwd)
+_COPY = _coded(lambda x, s, codec, key: lax.pcast(x, s.axes, to="varying"), _allreduce_bwd)
+_SCATTER = _coded(_reduce_scatter, lambda ct, s, codec, key: kernels.gather(
+    ct, s.axes, codec, key, "varying", row=s.row))
+_GATHER = _coded(_gather, _gather_bwd)
+_PERMUTE = _coded(_permute, _permute_bwd)
+_EXCHANGE = _coded(_exchange, _exchange)
 
 
 # ------------------------------------------------------------ public API
@@ -134,29 +177,34 @@ def _same(out, leaf):
     return out.reshape(leaf.shape)
 
 
-def _tree(op, x, ready, to_rows, from_rows, lax_send, coded_send, key, bucket_bytes,
+def _tree(op, x, ready, to_rows, from_rows, send, key, bucket_bytes, row_of=last_row,
           prepare=None):
-    """The leaves of `x` sent bucketed: through `lax_send(buf, axes)` where both
-    codecs are "none" (lax's values, fewer messages), else through
-    `coded_send(buf, axes, key)`, the results named for remat."""
-    axes, _, _, plain = ready
-    if plain:
-        return bucketed(x, lambda leaf: (leaf, axes), to_rows, from_rows,
-                        lambda buf, live, k: lax_send(buf, live), None, bucket_bytes)
+    """The leaves of `x` coded and sent in buckets: send(buf, live axes, row, key),
+    where `row` is row_of(leaf) with rows="independent" (leaves share a bucket only
+    with leaves of their row length) and None with rows="flat". The results are
+    named for remat."""
+    axes = ready.axes
     prepare = prepare or (lambda leaf: (_vary(leaf, axes), axes))
-    out = bucketed(x, prepare, to_rows, from_rows, coded_send, key, bucket_bytes)
+
+    def grouped(leaf):
+        leaf, live = prepare(leaf)
+        row = row_of(leaf) if ready.rows == "independent" else None
+        return leaf, ((live, row) if live else None)
+
+    out = bucketed(x, grouped, to_rows, from_rows,
+                   lambda buf, group, k: send(buf, group[0], group[1], k), key, bucket_bytes)
     return jax.tree.map(lambda v: checkpoint_name(v, REMAT_NAMES[op]), out)
 
 
 def psum(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, key=None,
-         bucket_bytes=DEFAULT_BUCKET_BYTES):
+         rows="independent", bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.psum` that sends `codec`-coded chunks. Result: x's shapes and dtypes,
     invariant over `axis_name`. Its backward pass moves nothing (as for lax.psum)."""
-    ready = _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups)
+    ready = _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups)
     if ready is None:
         return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
-    axes, fwd, bwd, plain = ready
-    checked = not plain and _checked(axes)
+    axes, fwd, bwd = ready.axes, ready.fwd, ready.bwd
+    checked = _checked(axes)
 
     def prepare(leaf):
         if leaf.dtype == jnp.bool_:
@@ -168,27 +216,31 @@ def psum(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, 
             leaf = leaf * lax.axis_size(invariant)
         return leaf, tuple(a for a in axes if a not in invariant)
 
-    return _tree("psum", x, ready, _flat, _same, lax.psum,
-                 lambda buf, live, k: _PSUM((live, fwd, bwd, checked), buf, k), key,
-                 bucket_bytes, prepare)
+    return _tree("psum", x, ready, _flat, _same,
+                 lambda buf, live, row, k: _PSUM(Sent(live, fwd, bwd, row, checked), buf, k),
+                 key, bucket_bytes, prepare=prepare)
 
 
 def pmean(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, key=None,
-          bucket_bytes=DEFAULT_BUCKET_BYTES):
+          rows="independent", bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.pmean`: `psum` divided by the number of devices over `axis_name`."""
+    kernels.check_rows(rows)
+    if parse(codec).kind == "identity" and parse(
+            codec if bwd_codec is None else bwd_codec).kind == "identity":
+        return lax.pmean(x, axis_name, axis_index_groups=axis_index_groups)
     total = psum(x, axis_name, axis_index_groups=axis_index_groups, codec=codec,
-                 bwd_codec=bwd_codec, key=key, bucket_bytes=bucket_bytes)
+                 bwd_codec=bwd_codec, key=key, rows=rows, bucket_bytes=bucket_bytes)
     n = (len(axis_index_groups[0]) if axis_index_groups is not None  # as lax: each group's mean
          else lax.axis_size(_axes(axis_name)))
     return jax.tree.map(lambda v: v / n, total)
 
 
-def reduce_from_parallel(x, axis_name, *, codec="none", key=None):
+def reduce_from_parallel(x, axis_name, *, codec="none", key=None, rows="independent"):
     """Megatron's `g`: compressed all-reduce forward, identity backward (= `psum`)."""
-    return psum(x, axis_name, codec=codec, key=key)
+    return psum(x, axis_name, codec=codec, key=key, rows=rows)
 
 
-def copy_to_parallel(x, axis_name, *, bwd_codec="none", key=None):
+def copy_to_parallel(x, axis_name, *, bwd_codec="none", key=None, rows="independent"):
     """Megatron's `f`: identity forward, compressed all-reduce backward.
 
     `x` is invariant over `axis_name` (replicated); the result is varying, so the
@@ -196,6 +248,7 @@ def copy_to_parallel(x, axis_name, *, bwd_codec="none", key=None):
     gradient of a replicated input is a sum over the axis; this sends it with
     `bwd_codec` instead of the full-precision psum JAX would otherwise insert.
     """
+    kernels.check_rows(rows)
     bwd = parse(bwd_codec)
     axes = _axes(axis_name)
 
@@ -206,7 +259,8 @@ def copy_to_parallel(x, axis_name, *, bwd_codec="none", key=None):
         if bwd.kind == "identity" or lax.axis_size(missing) == 1:
             return lax.pcast(leaf, missing, to="varying")
         check_key(k, bwd)
-        return _same(_COPY((missing, bwd, bwd, False), _flat(leaf), k), leaf)
+        row = last_row(leaf) if rows == "independent" else None
+        return _same(_COPY(Sent(missing, bwd, bwd, row, False), _flat(leaf), k), leaf)
 
     leaves, treedef = jax.tree.flatten(x)
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(leaves))]
@@ -214,14 +268,15 @@ def copy_to_parallel(x, axis_name, *, bwd_codec="none", key=None):
 
 
 def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, tiled=False,
-                 codec="none", bwd_codec=None, key=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+                 codec="none", bwd_codec=None, key=None, rows="independent",
+                 bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.psum_scatter` as all_to_all of coded chunks + float32 sum.
     Backward: compressed all_gather with `bwd_codec`."""
-    ready = _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups)
+    ready = _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups)
     if ready is None:
         return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                                 axis_index_groups=axis_index_groups, tiled=tiled)
-    axes, fwd, bwd, _ = ready
+    axes, fwd, bwd = ready.axes, ready.fwd, ready.bwd
     n = lax.axis_size(axes)
 
     def to_rows(leaf):
@@ -235,20 +290,22 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
         return out_1xM.reshape(shape)
 
     return _tree("psum_scatter", x, ready, to_rows, from_rows,
-                 lambda buf, live: lax.psum_scatter(buf, live, tiled=True),
-                 lambda buf, live, k: _SCATTER((live, fwd, bwd, None), buf, k), key, bucket_bytes)
+                 lambda buf, live, row, k: _SCATTER(Sent(live, fwd, bwd, row), buf, k),
+                 key, bucket_bytes,
+                 row_of=lambda leaf: split_row(leaf, scatter_dimension % leaf.ndim, n, tiled))
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying",
-               codec="none", bwd_codec=None, key=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+               codec="none", bwd_codec=None, key=None, rows="independent",
+               bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.all_gather` that sends the codec's payload. Backward: a compressed
     reduce-scatter with `bwd_codec` (to="varying") or a local slice (to="invarying")."""
-    ready = _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups)
+    ready = _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups)
     if ready is None:
         return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
                               tiled=tiled, to=to)
-    axes, fwd, bwd, plain = ready
-    if to not in ("varying", "invarying") and not plain:
+    axes, fwd, bwd = ready.axes, ready.fwd, ready.bwd
+    if to not in ("varying", "invarying"):
         raise ValueError(f"all_gather: to={to!r} is not supported with compression; "
                          "allowed: 'varying', 'invarying'")
     n = lax.axis_size(axes)
@@ -258,40 +315,42 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
         return kernels.stack_along(out_GxM.reshape((n,) + leaf.shape), dim, tiled)
 
     return _tree("all_gather", x, ready, _flat, from_rows,
-                 lambda buf, live: lax.all_gather(buf, live, axis=0, tiled=True, to=to),
-                 lambda buf, live, k: _GATHER((live, fwd, bwd, to), buf, k), key, bucket_bytes)
+                 lambda buf, live, row, k: _GATHER(Sent(live, fwd, bwd, row, to), buf, k),
+                 key, bucket_bytes)
 
 
 def ppermute(x, axis_name, perm, *, codec="none", bwd_codec=None, key=None,
-             bucket_bytes=DEFAULT_BUCKET_BYTES):
+             rows="independent", bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.ppermute` of the payload. Backward: the inverse permutation, `bwd_codec`."""
-    ready = _prepare(x, axis_name, codec, bwd_codec, key)
+    ready = _prepare(x, axis_name, codec, bwd_codec, key, rows)
     if ready is None:
         return lax.ppermute(x, axis_name, perm)
-    axes, fwd, bwd, _ = ready
+    fwd, bwd = ready.fwd, ready.bwd
     perm = tuple((int(s), int(d)) for s, d in perm)
     return _tree("ppermute", x, ready, _flat, _same,
-                 lambda buf, live: lax.ppermute(buf, live, perm),
-                 lambda buf, live, k: _PERMUTE((live, fwd, bwd, perm), buf, k), key, bucket_bytes)
+                 lambda buf, live, row, k: _PERMUTE(Sent(live, fwd, bwd, row, perm), buf, k),
+                 key, bucket_bytes)
 
 
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False,
-               codec="none", bwd_codec=None, key=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+               codec="none", bwd_codec=None, key=None, rows="independent",
+               bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.all_to_all` of the payload. Backward: the reverse all_to_all, `bwd_codec`."""
-    ready = _prepare(x, axis_name, codec, bwd_codec, key, axis_index_groups)
+    ready = _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups)
     if ready is None:
         return lax.all_to_all(x, axis_name, split_axis, concat_axis,
                               axis_index_groups=axis_index_groups, tiled=tiled)
-    axes, fwd, bwd, _ = ready
-    n = lax.axis_size(axes)
+    fwd, bwd = ready.fwd, ready.bwd
+    n = lax.axis_size(ready.axes)
 
     def chunks(leaf):
         return kernels.rows_along(leaf, n, split_axis % leaf.ndim, tiled, "all_to_all")
 
     def from_rows(out_GxM, leaf):
-        rows = out_GxM.reshape(chunks(leaf).shape)
-        return kernels.stack_along(rows, concat_axis % leaf.ndim, tiled)
+        rows_N = out_GxM.reshape(chunks(leaf).shape)
+        return kernels.stack_along(rows_N, concat_axis % leaf.ndim, tiled)
 
     return _tree("all_to_all", x, ready, lambda leaf: chunks(leaf).reshape(n, -1), from_rows,
-                 lambda buf, live: lax.all_to_all(buf, live, 0, 0, tiled=True),
-                 lambda buf, live, k: _EXCHANGE((live, fwd, bwd, None), buf, k), key, bucket_bytes)
+                 lambda buf, live, row, k: _EXCHANGE(Sent(live, fwd, bwd, row), buf, k),
+                 key, bucket_bytes,
+                 row_of=lambda leaf: split_row(leaf, split_axis % leaf.ndim, n, tiled))

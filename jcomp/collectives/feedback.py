@@ -10,46 +10,53 @@ from jcomp.collectives import kernels
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES, bucketed
 
 
-def psum_ef(x, residual, axis_name, *, codec, key=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
+            bucket_bytes=DEFAULT_BUCKET_BYTES):
     """Error-feedback all-reduce for gradients: sends codec(x + residual).
 
     -> (sum over the axis, new residual) where new residual = (x + residual) minus
     what this device's contribution was sent as. Carry the residual from step to
     step (same shape as x); start from zeros. Not differentiable (use on gradients).
+    `rows` as for `jcomp.collectives.psum`.
     """
-    def send(buf, axes, c, k):
-        return kernels.allreduce(buf, axes, c, k, op="psum_ef")
+    def send(buf, axes, c, k, row):
+        return kernels.allreduce(buf, axes, c, k, op="psum_ef", row=row)
 
-    return _ef(x, residual, axis_name, codec, key, bucket_bytes, lambda leaf: leaf.reshape(1, -1),
-               send, lambda got, leaf: tuple(g.reshape(leaf.shape) for g in got),
+    return _ef(x, residual, axis_name, codec, key, rows, bucket_bytes,
+               lambda leaf: leaf.reshape(1, -1), kernels.last_row, send,
+               lambda got, leaf: tuple(g.reshape(leaf.shape) for g in got),
                lambda leaf: lax.psum(leaf, axis_name))
 
 
 def psum_scatter_ef(x, residual, axis_name, *, scatter_dimension=0, tiled=False, codec,
-                    key=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
+                    key=None, rows="independent", bucket_bytes=DEFAULT_BUCKET_BYTES):
     """Error-feedback reduce-scatter (ZeRO gradients). -> (shard of the sum, new residual)."""
     n = lax.axis_size(kernels.axes_of(axis_name))
 
-    def rows(leaf):
+    def pieces(leaf):
         return kernels.rows_along(leaf, n, scatter_dimension % leaf.ndim, tiled, "psum_scatter_ef")
 
-    def send(buf, axes, c, k):
-        return kernels.reduce_scatter(buf, axes, c, k, op="psum_scatter_ef")
+    def send(buf, axes, c, k, row):
+        return kernels.reduce_scatter(buf, axes, c, k, op="psum_scatter_ef", row=row)
 
     def done(got, leaf):
         total, sent = got
-        rows_N = rows(leaf)
-        sent_N = sent.reshape(rows_N.shape)
-        return (total.reshape(rows_N.shape[1:]).astype(leaf.dtype),
+        pieces_N = pieces(leaf)
+        sent_N = sent.reshape(pieces_N.shape)
+        return (total.reshape(pieces_N.shape[1:]).astype(leaf.dtype),
                 kernels.stack_along(sent_N, scatter_dimension % leaf.ndim, tiled))
 
-    return _ef(x, residual, axis_name, codec, key, bucket_bytes,
-               lambda leaf: rows(leaf).reshape(n, -1), send, done,
+    return _ef(x, residual, axis_name, codec, key, rows, bucket_bytes,
+               lambda leaf: pieces(leaf).reshape(n, -1),
+               lambda leaf: kernels.split_row(leaf, scatter_dimension % leaf.ndim, n, tiled),
+               send, done,
                lambda leaf: lax.psum_scatter(leaf, axis_name, scatter_dimension=scatter_dimension,
                                              tiled=tiled))
 
 
-def _ef(x, residual, axis_name, codec, key, bucket_bytes, to_rows, send, done, exact):
+def _ef(x, residual, axis_name, codec, key, rows, bucket_bytes, to_rows, row_of, send, done,
+        exact):
+    kernels.check_rows(rows)
     c = kernels.parse(codec)
     axes = kernels.axes_of(axis_name)
     if c.kind == "identity" or lax.axis_size(axes) == 1:
@@ -60,8 +67,9 @@ def _ef(x, residual, axis_name, codec, key, bucket_bytes, to_rows, send, done, e
     res_leaves = treedef.flatten_up_to(residual)
     corrected = [lax.stop_gradient(kernels.vary(leaf + res.astype(leaf.dtype), axes))
                  for leaf, res in zip(leaves, res_leaves)]
-    got = bucketed(corrected, lambda leaf: (leaf, axes), to_rows, done,
-                   lambda buf, live, k: send(buf, live, c, kernels.device_key(k, live, c)),
+    group = lambda leaf: (leaf, (axes, row_of(leaf) if rows == "independent" else None))
+    got = bucketed(corrected, group, to_rows, done,
+                   lambda buf, g, k: send(buf, g[0], c, kernels.device_key(k, g[0], c), g[1]),
                    key, bucket_bytes)
     outs = [t for t, _ in got]
     news = [(cor.astype(jnp.float32) - sent).astype(res.dtype)
