@@ -4,7 +4,8 @@ with what it sends (`jcomp.wire`), and the eval step.
     steps = StepCache(run, mesh, tx, shapes)
     exe, report = steps.train(phase, state, batch)   # compiled when first reached
     state, m = exe(state, batch)
-    val = steps.val_loss(phase, state["params"], val_batches)
+    val = steps.val_loss(None, state["params"], val_batches)   # the exact forward
+    val_c = steps.val_loss(phase, state["params"], val_batches)  # phase's forward codecs
 
 A phase the run never reaches costs nothing: each program is compiled the
 first time its phase comes up, then kept for the rest of the run.
@@ -15,7 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jcomp import parallel, step, wire
+from jcomp import mesh as mesh_lib
+from jcomp import messages, parallel, policy, step, wire
 
 
 def global_batch(mesh, local_rows, global_rows: int):
@@ -46,11 +48,22 @@ class StepCache:
         return self._train[phase]
 
     def val_loss(self, phase, params, val_batches) -> float:
-        """Mean loss over the local validation batches, each made global."""
+        """Mean loss over the local validation batches, each made global, through the
+        forward messages of `phase`; phase None: the exact forward, every message
+        uncompressed (the model as it is used after training)."""
         if phase not in self._eval:
-            self._eval[phase] = step.make_eval_step(self.run.model, self.mesh,
-                                                    self.run.plan(phase), self.shapes,
+            plan = self.exact_plan() if phase is None else self.run.plan(phase)
+            self._eval[phase] = step.make_eval_step(self.run.model, self.mesh, plan, self.shapes,
                                                     microbatches=self.run.train.microbatches)
         rows = self.run.train.batch_size
         return float(np.mean([float(self._eval[phase](params, global_batch(self.mesh, b, rows)))
                               for b in val_batches]))
+
+    def exact_plan(self) -> messages.Plan:
+        return messages.plan(policy.preset("baseline"), self.run.model.n_layers,
+                             dict(zip(mesh_lib.AXES, self.run.mesh_shape)))
+
+    def forward_compressed(self, phase) -> bool:
+        """Whether `phase` codes a forward message: then its loss differs from the exact one."""
+        return any(m.compressed() and m.direction == "forward"
+                   for m in self.run.plan(phase).messages())

@@ -165,7 +165,9 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                               record["compression_changes"])
                 logged_phase = phase
             if val and (done % t.eval_every == 0 or done == t.steps):
-                record["val_loss"] = steps.val_loss(phase, state["params"], val)
+                record["val_loss"] = steps.val_loss(None, state["params"], val)
+                if steps.forward_compressed(phase):
+                    record["val_loss_compressed"] = steps.val_loss(phase, state["params"], val)
             if writer and steprecord.due(record, done, t.log_every, t.steps):
                 try:
                     faults.append_record(writer, record)

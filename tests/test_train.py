@@ -187,6 +187,14 @@ def test_hybrid_cuts_data_axis_traffic_to_a_quarter(tmp_path):
     base = first_record(str(tmp_path / "baseline"))["wire_bytes_data"]
     hybrid = first_record(str(tmp_path / "hybrid"))["wire_bytes_data"]
     assert hybrid <= base / 4, (hybrid, base)
+    # val_loss is the exact forward's; a policy that codes forward activations also
+    # reports the loss through them, and here int4:rot moves it.
+    last = {n: json.loads((tmp_path / n / "metrics.jsonl").read_text().splitlines()[-1])
+            for n in ("baseline", "hybrid")}
+    assert "val_loss" in last["baseline"] and "val_loss_compressed" not in last["baseline"]
+    h = last["hybrid"]
+    assert all(0 < h[k] < 10 for k in ("val_loss", "val_loss_compressed")), h
+    assert h["val_loss_compressed"] != h["val_loss"], h
 
 
 BAD = [
