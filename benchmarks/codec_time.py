@@ -3,7 +3,7 @@ compressed at a time, timed side by side with the baseline and the whole policy.
 
     python benchmarks/codec_time.py [--policy hybrid] [--shape 2,2,2] [--microbatches 2]
                                     [--entries data.grad ...] [--repeats 11] [--json PATH]
-                                    [--quick]
+                                    [--flat-rows] [--quick]
                                     [--d-model 128 --layers 4 --heads 4 --seq 128 --batch 16]
 
 For each entry of the policy that compresses a message the step sends
@@ -15,6 +15,12 @@ ratio to the baseline, and the milliseconds it adds. On emulated CPU devices
 nothing crosses a wire, so what a row adds is the codec's own time (encode,
 decode, the float32 sums) and the extra collectives' rendezvous: the cost a
 fast link cannot pay back. The model and batch default to configs/base.py's.
+
+--flat-rows adds the whole policy with its activation messages coded in flat
+blocks across tokens, as the step sent them before blocks were kept within a
+token (benchmarks/parallel.py's `flat_activations`): the bytes and time that
+row-local blocks cost, side by side. Every row also gives the compiled step's
+bytes per device per axis.
 """
 import os
 
@@ -39,6 +45,7 @@ import parallel as bench_parallel  # noqa: E402  (benchmarks/parallel.py)
 from jcomp import mesh as jmesh  # noqa: E402
 from jcomp import parallel  # noqa: E402
 from jcomp import policy as policy_lib  # noqa: E402
+from jcomp import wire  # noqa: E402
 
 DEFAULTS = dict(repeats=11, d_model=128, layers=4, heads=4, d_ff=512, vocab=256, seq=128,
                 batch=16)
@@ -64,13 +71,17 @@ def rows_of(names, built, times) -> list[dict]:
     base = statistics.median(times[0])
     return [dict(variant=n, compression=b["plan"].describe(), median_s=statistics.median(t),
                  ratio=statistics.median(t) / base, added_ms=(statistics.median(t) - base) * 1e3,
-                 times_s=t) for n, b, t in zip(names, built, times)]
+                 times_s=t, bytes_by_axis=wire.measure_compiled(b["exe"], b["mesh"]).by_axis())
+            for n, b, t in zip(names, built, times)]
 
 
 def table(rows) -> str:
-    lines = [f"{'variant':40s} {'step ms':>9s} {'x baseline':>11s} {'added ms':>9s}"]
+    axes = ("data", "tensor", "pipeline")
+    lines = [f"{'variant':40s} {'step ms':>9s} {'x baseline':>11s} {'added ms':>9s} "
+             + " ".join(f"{a + ' B':>11s}" for a in axes)]
     lines += [f"{r['variant']:40s} {r['median_s'] * 1e3:9.1f} {r['ratio']:11.3f} "
-              f"{r['added_ms']:+9.1f}" for r in rows]
+              f"{r['added_ms']:+9.1f} "
+              + " ".join(f"{r['bytes_by_axis'].get(a, 0.0):11,.0f}" for a in axes) for r in rows]
     alone = sum(r["added_ms"] for r in rows if r["variant"].startswith("only "))
     lines.append(f"sum of the entries alone: {alone:+.1f} ms; the whole policy: "
                  f"{rows[1]['added_ms']:+.1f} ms")
@@ -97,6 +108,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, help="timed steps per variant (default 11)")
     bench_parallel.add_model_args(ap)
     ap.add_argument("--json", default="benchmarks/results/codec_time.json")
+    ap.add_argument("--flat-rows", action="store_true",
+                    help="add the whole policy with activation blocks across tokens")
     ap.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given")
     args = ap.parse_args(argv)
     for name, value in (QUICK if args.quick else DEFAULTS).items():
@@ -125,8 +138,12 @@ def main(argv=None) -> int:
     cfg = args.model
     tx, params, tokens_BxL1 = bench_parallel.inputs(cfg, args.batch, args.seq)
     pols = variants(policy_lib.preset(args.policy), args.entries)
+    flat = {"whole policy, flat blocks across tokens": pols["whole policy"]} if args.flat_rows \
+        else {}
     built = [bench_parallel.compile_step(p, args.shape, args.microbatches, cfg, tx, params,
-                                         tokens_BxL1) for p in pols.values()]
+                                         tokens_BxL1, rows="flat" if n in flat else None)
+             for n, p in {**pols, **flat}.items()]
+    pols = {**pols, **flat}
     _, times = bench_parallel.time_interleaved(built, args.repeats)
     rows = rows_of(list(pols), built, times)
     print(f"policy {args.policy} on mesh {args.shape}, M={args.microbatches}, model {cfg}, "

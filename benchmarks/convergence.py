@@ -269,6 +269,8 @@ def summarize(records: list[dict]) -> dict:
     if not steps:
         raise ValueError("metrics hold no records")
     val = [(s, last[s]["val_loss"]) for s in steps if "val_loss" in last[s]]
+    # The loss through the run's own compressed forward, where it codes one.
+    val_c = [last[s]["val_loss_compressed"] for s in steps if "val_loss_compressed" in last[s]]
     wire = next((r for r in records if "wire_bytes_total" in r), None)
     if wire is None:
         raise ValueError("no metrics record holds wire_bytes_total")
@@ -280,6 +282,7 @@ def summarize(records: list[dict]) -> dict:
         steps=steps[-1], final_loss=last[steps[-1]]["loss"],
         final_val_loss=val[-1][1] if val else None,
         best_val_loss=min(v for _, v in val) if val else None,
+        final_val_loss_compressed=val_c[-1] if val_c else None,
         wire_bytes={a: float(wire.get(f"wire_bytes_{a}", 0.0)) for a in AXES},
         wire_bytes_total=float(wire["wire_bytes_total"]),
         median_step_time_s=statistics.median(times) if times else None,
@@ -421,6 +424,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="learning-rate warm-up steps (steps/10)")
     p.add_argument("--config", default=None, help="config file every run starts from")
     p.add_argument("--only", nargs="+", default=None, help="run just these names (and baseline)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="optim.lr of every run (default: the config's); give each rate its --out")
     p.add_argument("--seeds", nargs="+", type=int, default=[0],
                    help="config seeds: every run once per seed (default 0)")
     p.add_argument("--out", default=DEFAULT_OUT, help="workdirs, logs, summary.json and plots")
@@ -463,7 +468,8 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
 
     def args_of(spec, seed=0):
-        return train_args(spec, args.config, args.steps, args.eval_every, args.warmup, seed)
+        lr = [] if args.lr is None else [f"--config.optim.lr={args.lr!r}"]
+        return train_args(spec, args.config, args.steps, args.eval_every, args.warmup, seed) + lr
 
     walls = {}
     for seed in [] if args.summarize_only else args.seeds:  # seed-major: whole seeds first
@@ -500,6 +506,7 @@ def main(argv=None) -> int:
         a for a in argv if a != "--summarize-only")
     invocations = [i for i in old.get("invocations", []) if i != invocation] + [invocation]
     summary = dict(config=args.config, steps=args.steps, eval_every=args.eval_every,
+                   lr=args.lr if args.lr is not None else cfg.optim.lr,
                    warmup_steps=args.warmup, mesh=cfg.mesh.to_dict(),
                    model=cfg.model.to_dict(), batch_size=cfg.train.batch_size,
                    seq_len=cfg.data.seq_len,

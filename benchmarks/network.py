@@ -210,6 +210,10 @@ def summarize(raw: dict, warm_steps: int) -> dict:
         median_step_s=statistics.median(times), step_times_s=[by_step[s]["step_time_s"] for s in steps],
         losses=[by_step[s]["loss"] for s in steps],
         val_losses={str(s): by_step[s]["val_loss"] for s in sorted(evals)},
+        # val_loss is the exact forward's since row-local blocks (train.py writes
+        # val_loss_compressed beside it); rows without this mark were read
+        # through a compressed forward whose blocks spanned tokens.
+        exact_eval=True,
         final_loss=by_step[last]["loss"], final_val_loss=by_step[last].get("val_loss"),
         devices=devices,
         wire_bytes_per_device={k[len("wire_bytes_"):]: v for k, v in static.items()
@@ -260,8 +264,12 @@ def time_to_target(rows: list[dict], rate: str) -> dict | None:
     the training time (sum of step times) to the first validation loss at or
     below it in that policy's time-to-loss run (the baseline's own sweep run
     where it has none). Each is the newest such row, whatever its commit:
-    training is deterministic, so a loss does not depend on when it was run."""
-    ok = sorted((r for r in rows if r["settings"]["rate"] == rate and "error" not in r),
+    training is deterministic, so a loss does not depend on when it was run.
+    A compressed policy's row counts only if it was evaluated exactly
+    (`exact_eval`): earlier ones read the loss through a forward whose blocks
+    spanned tokens, which leaked the next token."""
+    ok = sorted((r for r in rows if r["settings"]["rate"] == rate and "error" not in r
+                 and (r.get("exact_eval") or r["settings"]["policy"] == "baseline")),
                 key=lambda r: r["date"], reverse=True)
     base = next((r for r in ok if r["settings"]["kind"] == "sweep"
                  and r["settings"]["policy"] == "baseline" and r.get("final_val_loss")), None)

@@ -40,6 +40,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -119,13 +120,25 @@ def inputs(cfg, batch: int, seq: int):
     return tx, params, tokens_BxL1
 
 
-def compile_step(pol, shape, microbatches, cfg, tx, params, tokens_BxL1) -> dict:
-    """The ZeRO-1 train step of `pol` (a Policy) on a mesh of `shape`, compiled.
+def flat_activations(plan):
+    """`plan` with every activation message coded as flat blocks across tokens
+    (rows="flat"), as the step sent them before blocks were kept within a token:
+    the reference a row-local plan's bytes and codec time are measured against."""
+    return dataclasses.replace(plan, **{
+        m.name: dataclasses.replace(m, rows="flat") for m in plan.messages()
+        if m.direction in ("forward", "backward")})
+
+
+def compile_step(pol, shape, microbatches, cfg, tx, params, tokens_BxL1, rows=None) -> dict:
+    """The ZeRO-1 train step of `pol` (a Policy) on a mesh of `shape`, compiled;
+    rows="flat": its activation messages coded across tokens (`flat_activations`).
     -> dict(exe, state, batch, mesh, plan)."""
     mesh = jmesh.make_mesh(shape, devices=jax.devices()[:math.prod(shape)])
     state = step.init_state(params, mesh, tx, pol)
     batch = jax.device_put(tokens_BxL1, NamedSharding(mesh, parallel.BATCH_SPEC))
     plan = messages.plan(pol, cfg.n_layers, dict(mesh.shape))
+    if rows == "flat":
+        plan = flat_activations(plan)
     fn = step.make_train_step(cfg, mesh, pol, plan, tx, jax.eval_shape(lambda: params),
                               microbatches=microbatches, zero_stage=1, clip_norm=1.0)
     return dict(exe=fn.lower(state, batch).compile(), state=state, batch=batch, mesh=mesh,

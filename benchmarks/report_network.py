@@ -192,7 +192,10 @@ def network_section(net: dict, link: dict | None) -> tuple[str, list[str]]:
                 f"{ttl['rate']}: training time (the sum of step times, evaluation and compilation "
                 "excluded) to the first evaluation at or below it, in a longer run of each "
                 "policy (val_loss every few steps, one learning-rate schedule for all of them; "
-                "kind 'sweep': the baseline's own run above, where it has no longer run).", "",
+                "kind 'sweep': the baseline's own run above, where it has no longer run). "
+                "A compressed policy's run counts only if its val_loss is the exact forward's: "
+                "the earlier ones (2242b6e and before) read it through activation blocks that "
+                "spanned tokens, leaking the next token, and are withdrawn.", "",
                 _table(["policy", "run", "steps run", "reached at step", "time s", "vs baseline",
                         "best val_loss", "commit"],
                        [[n, t.get("kind", "ttl"), t["steps_run"],

@@ -67,11 +67,28 @@ def settings(runs: list[dict]) -> list[dict]:
             ef_norm_ratio=(statistics.fmean(r["ef_norm_ratio"] for r in rows)
                            if all(r.get("ef_norm_ratio") is not None for r in rows) else None),
             val_loss=mean_interval([r["final_val_loss"] for r in rows]),
+            **_compressed_forward(rows),
             gap_pct=mean_interval([r["gap_pct"] for r in paired]) if paired else None,
             paired_seeds=[r["seed"] for r in paired],
             byte_ratio=statistics.fmean(r["byte_ratio"] for r in paired) if paired else None,
             git_commits=sorted({(r.get("git_commit") or "unknown")[:7] for r in rows})))
     return out
+
+
+def _compressed_forward(rows) -> dict:
+    """The loss under the setting's own compressed forward beside the exact one:
+    its mean over seeds, the paired difference compressed - exact, and a flag
+    where that difference exceeds the seed spread (the exact val_loss's std):
+    the forward codec itself then moves the loss by more than the noise."""
+    pairs = [(r["final_val_loss_compressed"], r["final_val_loss"]) for r in rows
+             if r.get("final_val_loss_compressed") is not None]
+    if not pairs:
+        return {}
+    diff = mean_interval([c - e for c, e in pairs])
+    spread = mean_interval([e for _, e in pairs])["std"]
+    return dict(val_loss_compressed=mean_interval([c for c, _ in pairs]),
+                compressed_minus_exact=diff,
+                forward_codec_flag=spread is not None and abs(diff["mean"]) > spread)
 
 
 def paired_difference(runs: list[dict], a: str, b: str) -> dict | None:
@@ -175,14 +192,25 @@ def _pm(st, spec) -> str:
     return format(st["mean"], spec) + ("" if st["std"] is None else f" ± {format(st['std'], spec.lstrip('+'))}")
 
 
+def _forward_cell(st) -> str:
+    if "val_loss_compressed" not in st:
+        return "= exact (no forward codec)"
+    flag = " **FLAG**" if st["forward_codec_flag"] else ""
+    return _pm(st["val_loss_compressed"], ".4f") + flag
+
+
 def section(summary: dict, rel_dir: str, compressed_what, table) -> str:
     m = summary["model"]
+    # Runs evaluated exactly also carry the loss under their compressed forward.
+    both = any("val_loss_compressed" in st for st in summary["settings"])
     rows = []
     for st in summary["settings"]:
         rows.append([st["name"], compressed_what(st), ", ".join(map(str, st["seeds"])),
-                     _pm(st["val_loss"], ".4f"), _pm(st["gap_pct"], "+.2f"), _fmt_ci(st["gap_pct"]),
-                     "n/a" if st["byte_ratio"] is None else f"{st['byte_ratio']:.3f}",
-                     ", ".join(st["git_commits"])])
+                     _pm(st["val_loss"], ".4f")]
+                    + ([_forward_cell(st)] if both else [])
+                    + [_pm(st["gap_pct"], "+.2f"), _fmt_ci(st["gap_pct"]),
+                       "n/a" if st["byte_ratio"] is None else f"{st['byte_ratio']:.3f}",
+                       ", ".join(st["git_commits"])])
     out = [f"### {rel_dir}: {summary['steps']} steps of {summary['config']}, seeds "
            f"{', '.join(map(str, summary['seeds']))}",
            f"Model d_model {m['d_model']}, {m['n_layers']} layers; batch {summary['batch_size']} x "
@@ -192,8 +220,15 @@ def section(summary: dict, rel_dir: str, compressed_what, table) -> str:
            "over the paired seeds, and its 95% Student-t interval. The commits column names "
            "the commits that trained the runs of each setting (they differ only in code that "
            "a setting does not use, where several are listed: see git log).", "",
-           table(["setting", "compressed", "seeds", "final val_loss (mean ± std)",
-                  "gap % (mean ± std)", "gap 95% interval", "bytes vs baseline", "commits"], rows)]
+           table(["setting", "compressed", "seeds", "final val_loss (mean ± std)"]
+                 + (["compressed-forward val_loss (flag: differs by more than the seed std)"]
+                    if both else [])
+                 + ["gap % (mean ± std)", "gap 95% interval", "bytes vs baseline", "commits"],
+                 rows)]
+    if both:
+        out[1] += (" val_loss is the exact forward's (every message uncompressed, as the "
+                   "weights are used after training); the compressed-forward column is the "
+                   "same weights through the setting's own forward codecs, where it has any.")
     for name, png in summary.get("plots", {}).items():
         what = (f"the mean over seeds of each seed's running mean over {SMOOTH_STEPS} steps, "
                 "the band from the lowest seed to the highest, points the mean val_loss"

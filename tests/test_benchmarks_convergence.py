@@ -386,5 +386,5 @@ def test_the_readme_seeds_table_is_the_seeds_suites():
 
     readme = (ROOT / "README.md").read_text()
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
-    assert table_after(readme, "Convergence over seeds (") == table_after(
+    assert table_after(readme, "Convergence over seeds, **withdrawn** (") == table_after(
         results, "### results/convergence_seeds:")
