@@ -643,3 +643,18 @@ def test_jit_matches_op_by_op(spec):
     key = _key() if codec.needs_key else None
     eager = codec.decode(codec.encode(x, key=key), x.shape, x.dtype)
     np.testing.assert_array_equal(np.asarray(_roundtrip(codec, x)), np.asarray(eager))
+
+
+@pytest.mark.parametrize("spec", ["topk:0.01", "randk:0.01"])
+def test_sparse_row_with_more_non_finite_entries_than_k_goes_nan(spec):
+    """40 Infs in a row of 1000 at F=0.01 (k=10): 30 cannot be sent. They must not
+    come back as finite zeros alone: the row's sent values are NaN. A row with
+    fewer non-finite entries than k keeps them as they are."""
+    c = codecs.parse(spec)
+    x = np.random.default_rng(0).standard_normal((2, 1000)).astype(np.float32)
+    x[0, 100:140] = np.inf
+    x[1, 5] = -np.inf
+    payload = c.encode(jnp.asarray(x), key=jax.random.key(0))
+    got = np.asarray(c.decode(payload, x.shape, jnp.float32))
+    assert np.isnan(got[0]).sum() == 10 and not np.isfinite(got[0]).all()
+    assert got[1, 5] == -np.inf and np.isfinite(np.delete(got[1], 5)).all()

@@ -263,3 +263,71 @@ def test_remat_policies_see_the_coded_gather_by_name():
     kept = _fsdp_residual_bytes(cc_gather, policies.save_only_these_names(cc.REMAT_NAMES["all_gather"]))
     weights = 3 * (256 * 256 + 256) * 4  # gathered float32 weights and biases of the 3 layers
     assert kept >= weights > base, (kept, base)  # gathered weights in place of local shards
+
+
+OUT_OF_RANGE = [  # (op, its call on a 2-D block, the argument it names)
+    ("all_gather", lambda lib, x, kw: lib.all_gather(x, "x", axis=3, **kw), "axis"),
+    ("all_gather tiled", lambda lib, x, kw: lib.all_gather(x, "x", axis=2, tiled=True, **kw),
+     "axis"),
+    ("psum_scatter", lambda lib, x, kw: lib.psum_scatter(x, "x", scatter_dimension=2, tiled=True,
+                                                         **kw), "scatter_dimension"),
+    ("psum_scatter negative", lambda lib, x, kw: lib.psum_scatter(
+        x, "x", scatter_dimension=-3, tiled=True, **kw), "scatter_dimension"),
+    ("all_to_all split", lambda lib, x, kw: lib.all_to_all(x, "x", 2, 0, tiled=True, **kw),
+     "split_axis"),
+    ("all_to_all concat", lambda lib, x, kw: lib.all_to_all(x, "x", 0, -3, tiled=True, **kw),
+     "concat_axis"),
+]
+
+
+@pytest.mark.parametrize("op, call, arg", OUT_OF_RANGE, ids=[o[0] for o in OUT_OF_RANGE])
+def test_out_of_range_axes_raise_value_error_naming_the_argument(op, call, arg):
+    """As lax refuses them (IndexError, a lowering error or ValueError), so does every
+    codec, with a ValueError that names the argument; nothing wraps around."""
+    mesh = _mesh(2)
+    x = _put(mesh, jnp.ones((4, 8), jnp.float32))
+
+    def compile_(lib, **kw):
+        fn = jax.shard_map(lambda a: call(lib, a, kw), mesh=mesh, in_specs=P("x"),
+                           out_specs=P("x"), check_vma=False)
+        return jax.jit(fn).lower(x).compile()
+
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore", cc.RawSendWarning)
+        with pytest.raises(Exception):
+            compile_(lax)
+        for codec in ("none", "int8"):
+            with pytest.raises(ValueError, match=f"{arg}=-?[0-9]+ is out of range"):
+                compile_(cc, codec=codec)
+
+
+def test_negative_dimensions_count_from_the_end_for_every_codec():
+    """scatter_dimension=-1 and all_to_all's -1 are the last axis, with "none" (lax
+    itself refuses negative dimensions here) as with a codec."""
+    mesh = _mesh(2)
+    x = _put(mesh, jnp.arange(64.0).reshape(8, 8))
+    with jax.set_mesh(mesh):
+        for codec in ("none", "bf16"):
+            f = lambda a, c=codec: (cc.psum_scatter(a, "x", scatter_dimension=-1, tiled=True,
+                                                    codec=c),
+                                    cc.all_to_all(a, "x", -1, 0, tiled=True, codec=c))
+            want = lambda a: (lax.psum_scatter(a, "x", scatter_dimension=1, tiled=True),
+                              lax.all_to_all(a, "x", 1, 0, tiled=True))
+            run = lambda g: jax.jit(jax.shard_map(g, mesh=mesh, in_specs=P("x"),
+                                                  out_specs=P("x"), check_vma=False))(x)
+            for a, b in zip(run(f), run(want)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # exact in bf16
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_wrong_residual_is_named(codec):
+    mesh = _mesh(2)
+    x = _put(mesh, jnp.ones((4, 8), jnp.float32))
+    bad = {"psum_ef": lambda a: cc.psum_ef({"w": a}, {"w": jnp.zeros((3,))}, "x", codec=codec),
+           "psum_scatter_ef": lambda a: cc.psum_scatter_ef(
+               {"w": a}, {"w": jnp.zeros((2, 3))}, "x", tiled=True, codec=codec)}
+    with jax.set_mesh(mesh):
+        for op, f in bad.items():
+            fn = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+            with pytest.raises(ValueError, match=rf"{op}: residual\['w'\] has shape"):
+                jax.jit(fn).lower(x)

@@ -109,8 +109,14 @@ class _Sparse:
     def encode(self, x, *, key=None) -> Payload:
         x = _as_rows(jnp.asarray(x))
         _check_float(x, self.name)
-        idx = _top_k_indices(self._scores(x, key), _num_kept(self.fraction, x.shape[-1]))
-        return {"values": jnp.take_along_axis(x, idx, axis=-1), "indices": idx}
+        k = _num_kept(self.fraction, x.shape[-1])
+        idx = _top_k_indices(self._scores(x, key), k)
+        values = jnp.take_along_axis(x, idx, axis=-1)
+        # More non-finite entries than k: some cannot be sent, and they would
+        # decode as zeros. The row's kept values go NaN instead, so the loss turns
+        # NaN rather than the Infs vanishing into finite numbers.
+        lost = jnp.sum(~jnp.isfinite(x), axis=-1, keepdims=True) > k
+        return {"values": jnp.where(lost, jnp.nan, values).astype(x.dtype), "indices": idx}
 
     def decode(self, payload: Payload, shape, dtype):
         rows = _rows_shape(shape)
@@ -133,7 +139,8 @@ class TopK(_Sparse):
     """`topk:F`: per row, the k entries largest in magnitude.
 
     NaN ranks as +inf magnitude, so non-finite entries are kept first: none is
-    dropped while k >= their number."""
+    dropped while k >= their number. A row with more non-finite entries than k
+    sends its k values as NaN (see `_Sparse.encode`)."""
 
     needs_key: ClassVar[bool] = False
     name: ClassVar[str] = "topk"
@@ -151,7 +158,8 @@ class RandK(_Sparse):
     Values are sent as they are, not rescaled by C/k: the result is a biased
     estimate of x, meant for use with error feedback, which carries the unsent
     remainder to the next step. Non-finite entries are always picked first (up
-    to k) so a NaN/Inf is not hidden by chance."""
+    to k) so a NaN/Inf is not hidden by chance; past k, the row's values go NaN
+    (as for top-k)."""
 
     needs_key: ClassVar[bool] = True
     name: ClassVar[str] = "randk"

@@ -169,6 +169,12 @@ _EXCHANGE = _coded(_exchange, _exchange)
 
 # ------------------------------------------------------------ public API
 
+def _lax_per_leaf(x, per_leaf, whole, as_given: bool):
+    """The lax op itself where its arguments are as lax takes them (`whole()`),
+    else leaf by leaf with negative dimensions resolved (lax refuses those)."""
+    return whole() if as_given else jax.tree.map(per_leaf, x)
+
+
 def _flat(leaf):
     return leaf.reshape(1, -1)
 
@@ -271,11 +277,18 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
                  codec="none", bwd_codec=None, key=None, rows="independent",
                  bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.psum_scatter` as all_to_all of coded chunks + float32 sum.
-    Backward: compressed all_gather with `bwd_codec`."""
+    Backward: compressed all_gather with `bwd_codec`. A negative
+    `scatter_dimension` counts from the end."""
+    kernels.dims_of(x, scatter_dimension, "scatter_dimension", "psum_scatter")
     ready = _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups)
     if ready is None:
-        return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
-                                axis_index_groups=axis_index_groups, tiled=tiled)
+        return _lax_per_leaf(
+            x, lambda leaf: lax.psum_scatter(
+                leaf, axis_name, scatter_dimension=scatter_dimension % leaf.ndim,
+                axis_index_groups=axis_index_groups, tiled=tiled),
+            lambda: lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
+                                     axis_index_groups=axis_index_groups, tiled=tiled),
+            scatter_dimension >= 0)
     axes, fwd, bwd = ready.axes, ready.fwd, ready.bwd
     n = lax.axis_size(axes)
 
@@ -300,6 +313,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
                bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.all_gather` that sends the codec's payload. Backward: a compressed
     reduce-scatter with `bwd_codec` (to="varying") or a local slice (to="invarying")."""
+    kernels.dims_of(x, axis, "axis", "all_gather", 0 if tiled else 1)
     ready = _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups)
     if ready is None:
         return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
@@ -335,11 +349,19 @@ def ppermute(x, axis_name, perm, *, codec="none", bwd_codec=None, key=None,
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False,
                codec="none", bwd_codec=None, key=None, rows="independent",
                bucket_bytes=DEFAULT_BUCKET_BYTES):
-    """`jax.lax.all_to_all` of the payload. Backward: the reverse all_to_all, `bwd_codec`."""
+    """`jax.lax.all_to_all` of the payload. Backward: the reverse all_to_all, `bwd_codec`.
+    Negative axes count from the end."""
+    kernels.dims_of(x, split_axis, "split_axis", "all_to_all")
+    kernels.dims_of(x, concat_axis, "concat_axis", "all_to_all")
     ready = _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups)
     if ready is None:
-        return lax.all_to_all(x, axis_name, split_axis, concat_axis,
-                              axis_index_groups=axis_index_groups, tiled=tiled)
+        return _lax_per_leaf(
+            x, lambda leaf: lax.all_to_all(leaf, axis_name, split_axis % leaf.ndim,
+                                           concat_axis % leaf.ndim,
+                                           axis_index_groups=axis_index_groups, tiled=tiled),
+            lambda: lax.all_to_all(x, axis_name, split_axis, concat_axis,
+                                   axis_index_groups=axis_index_groups, tiled=tiled),
+            split_axis >= 0 and concat_axis >= 0)
     fwd, bwd = ready.fwd, ready.bwd
     n = lax.axis_size(ready.axes)
 

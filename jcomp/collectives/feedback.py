@@ -22,7 +22,7 @@ def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
     def send(buf, axes, c, k, row):
         return kernels.allreduce(buf, axes, c, k, op="psum_ef", row=row)
 
-    return _ef(x, residual, axis_name, codec, key, rows, bucket_bytes,
+    return _ef("psum_ef", x, residual, axis_name, codec, key, rows, bucket_bytes,
                lambda leaf: leaf.reshape(1, -1), kernels.last_row, send,
                lambda got, leaf: tuple(g.reshape(leaf.shape) for g in got),
                lambda leaf: lax.psum(leaf, axis_name))
@@ -31,6 +31,7 @@ def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
 def psum_scatter_ef(x, residual, axis_name, *, scatter_dimension=0, tiled=False, codec,
                     key=None, rows="independent", bucket_bytes=DEFAULT_BUCKET_BYTES):
     """Error-feedback reduce-scatter (ZeRO gradients). -> (shard of the sum, new residual)."""
+    kernels.dims_of(x, scatter_dimension, "scatter_dimension", "psum_scatter_ef")
     n = lax.axis_size(kernels.axes_of(axis_name))
 
     def pieces(leaf):
@@ -46,19 +47,35 @@ def psum_scatter_ef(x, residual, axis_name, *, scatter_dimension=0, tiled=False,
         return (total.reshape(pieces_N.shape[1:]).astype(leaf.dtype),
                 kernels.stack_along(sent_N, scatter_dimension % leaf.ndim, tiled))
 
-    return _ef(x, residual, axis_name, codec, key, rows, bucket_bytes,
+    return _ef("psum_scatter_ef", x, residual, axis_name, codec, key, rows, bucket_bytes,
                lambda leaf: pieces(leaf).reshape(n, -1),
                lambda leaf: kernels.split_row(leaf, scatter_dimension % leaf.ndim, n, tiled),
                send, done,
-               lambda leaf: lax.psum_scatter(leaf, axis_name, scatter_dimension=scatter_dimension,
+               lambda leaf: lax.psum_scatter(leaf, axis_name,
+                                             scatter_dimension=scatter_dimension % leaf.ndim,
                                              tiled=tiled))
 
 
-def _ef(x, residual, axis_name, codec, key, rows, bucket_bytes, to_rows, row_of, send, done,
+def _check_residual(op, x, residual):
+    """The residual must have x's structure and each leaf x's leaf's shape."""
+    named, treedef = jax.tree_util.tree_flatten_with_path(x)
+    try:
+        res_leaves = treedef.flatten_up_to(residual)
+    except (TypeError, ValueError):
+        raise ValueError(f"{op}: residual must have the operand's tree structure "
+                         f"{treedef}; got {jax.tree.structure(residual)}") from None
+    for (path, leaf), res in zip(named, res_leaves):
+        if jnp.shape(res) != leaf.shape:
+            raise ValueError(f"{op}: residual{jax.tree_util.keystr(path)} has shape "
+                             f"{jnp.shape(res)}; expected the operand's {leaf.shape}")
+
+
+def _ef(op, x, residual, axis_name, codec, key, rows, bucket_bytes, to_rows, row_of, send, done,
         exact):
     kernels.check_rows(rows)
     c = kernels.parse(codec)
     axes = kernels.axes_of(axis_name)
+    _check_residual(op, x, residual)
     if c.kind == "identity" or lax.axis_size(axes) == 1:
         total = jax.tree.map(lambda a, r: exact(a + r), x, residual)
         return total, jax.tree.map(jnp.zeros_like, residual)

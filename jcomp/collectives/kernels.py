@@ -20,6 +20,7 @@ bytes than the raw rows; where not, the `jax.lax` op runs raw in the named scope
 """
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
 from typing import Any, NamedTuple
@@ -105,6 +106,25 @@ def split_row(leaf, dim: int, n: int, tiled: bool) -> int:
     if dim != leaf.ndim - 1:
         return last_row(leaf)
     return max(int(leaf.shape[-1]) // n, 1) if tiled else 1
+
+
+def dim_of(value, ndim: int, arg: str, op: str) -> int:
+    """`value` (an int; negative counts from the end) as an index into `ndim`
+    dimensions. Out of range: ValueError naming `arg`, for every codec (lax
+    raises IndexError or a lowering error there, or, for some, wraps around)."""
+    try:
+        index = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{op}: {arg} must be an int; got {value!r}") from None
+    if not -ndim <= index < ndim:
+        raise ValueError(f"{op}: {arg}={index} is out of range for an operand of {ndim} "
+                         f"dimensions; allowed: {-ndim} to {ndim - 1}")
+    return index % ndim
+
+
+def dims_of(x, value, arg: str, op: str, extra: int = 0) -> list:
+    """`dim_of` for every leaf of the pytree `x` (of ndim + `extra` dimensions)."""
+    return [dim_of(value, leaf.ndim + extra, arg, op) for leaf in jax.tree.leaves(x)]
 
 
 def rows_along(x, n, dim, tiled, what):
