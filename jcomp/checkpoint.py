@@ -216,6 +216,7 @@ class Checkpointer:
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
         self._in_flight: Optional[int] = None  # the step whose save may still be running
+        self._last_started: Optional[int] = None  # the newest step whose save began
         quiet.demote_failed_save_errors()
 
     def step_path(self, step: int) -> epath.Path:
@@ -262,7 +263,7 @@ class Checkpointer:
         except Exception as e:  # storage errors surface as many exception types
             self._failed(step, e)
         if started:
-            self._in_flight = int(step)
+            self._in_flight = self._last_started = int(step)
         return started
 
     def _failed(self, step, e: BaseException):
@@ -325,8 +326,14 @@ class Checkpointer:
             self._failed(step, e)
 
     def close(self):
+        """Waits for the save in flight and closes the manager. A failure that
+        orbax reports only here (its background finalize, e.g. on a file system
+        turned read-only) is a SaveError of the last save started, as in wait."""
         self.wait()
-        self._mngr.close()
+        try:
+            self._mngr.close()
+        except Exception as e:
+            self._failed(self._last_started, e)
 
     def __enter__(self):
         return self

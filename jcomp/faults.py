@@ -140,6 +140,19 @@ class WorkdirLock:
         self.release()
 
 
+def remove_empty_workdir(workdir: str):
+    """Removes a workdir this run created and left without any step: its lock file,
+    an empty checkpoints/ and then the directory, each only if nothing else is
+    in it (a file someone put there stays, and so does the directory)."""
+    for path, remove in ((os.path.join(workdir, LOCK_NAME), os.remove),
+                         (os.path.join(workdir, "checkpoints"), os.rmdir),
+                         (workdir, os.rmdir)):
+        try:
+            remove(path)
+        except OSError:
+            pass
+
+
 def lock_workdir(workdir: str):
     """Process 0 takes the workdir lock (a shared workdir is locked once); every
     process learns whether it got it, so all stop together when another trainer
@@ -166,8 +179,9 @@ def lock_workdir(workdir: str):
 # ------------------------------------------------------------------ signals
 
 class StopFlag:
-    """SIGTERM, or a first SIGINT, asks the loop to save and stop after the step
-    in flight (or, before the first step, to stop without writing). A SIGINT
+    """SIGTERM, SIGHUP (a closed terminal or ssh session) or a first SIGINT asks
+    the loop to save and stop after the step in flight (or, before the first
+    step, to stop without writing). A SIGINT
     after that ends the process at once: one line on stderr, exit 130, the save
     in flight abandoned (the next run removes what it left)."""
 
@@ -180,7 +194,7 @@ class StopFlag:
         # A copy of stderr as it is now: the restore of a checkpoint captures
         # descriptor 2 for a while, and the line must not land in the capture.
         self._stderr = os.dup(2)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -236,6 +250,7 @@ def write_failed(what: str, last_complete, reason, disk_full: bool) -> WriteErro
 def append_record(writer, record):
     """`writer.write(record)` (a metrics.MetricsWriter); if it fails, the file is cut
     back to whole lines and the OSError re-raised."""
+    writer.open()
     size = os.path.getsize(writer.path)
     try:
         writer.write(record)

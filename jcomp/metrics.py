@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import numbers
 import os
@@ -44,6 +45,7 @@ from typing import Optional
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+_log = logging.getLogger(__name__)
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _PLOT_HINT = "pip install 'jcomp[plot]'"
 
@@ -89,25 +91,69 @@ def to_json_line(record: Mapping) -> str:
     return json.dumps({k: _plain(k, v) for k, v in record.items()}, allow_nan=False)
 
 
+def _cut_partial_last_line(path) -> int:
+    """Truncates `path` after its last newline -> the bytes removed (0 if none)."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return 0
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return 0
+            pos = size
+            while pos > 0:  # back to the last newline, a block at a time
+                step = min(pos, 65536)
+                f.seek(pos - step)
+                chunk = f.read(step)
+                i = chunk.rfind(b"\n")
+                if i >= 0:
+                    pos = pos - step + i + 1
+                    break
+                pos -= step
+            f.truncate(pos)
+            return size - pos
+    except FileNotFoundError:
+        return 0
+
+
 class MetricsWriter:
     """Appends one JSON object per line to `path` (a file, or a directory's
     metrics.jsonl), flushed line by line so a crash loses at most the current one.
     With tensorboard=True, numeric metrics also go to a TensorBoard event file in
-    the same directory. In a multi-process run, create it on process 0 only."""
+    the same directory. In a multi-process run, create it on process 0 only.
+
+    Nothing is created before the first record: a run stopped before its first
+    step leaves no metrics file and no empty TensorBoard run. A last line cut
+    off mid-write (a crash or power loss) is removed, with a warning, before
+    the first new record is appended, so it is not glued onto the new one."""
 
     def __init__(self, path, tensorboard: bool = False):
         self.path = metrics_path(path)
         parent = os.path.dirname(self.path)
         if parent:
             os.makedirs(parent, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._tensorboard = tensorboard
+        self._file = None
         self._tb = None
-        if tensorboard:
+
+    def open(self):
+        """Opens the files (once): before the first record, or to know the
+        metrics file's size before one is written."""
+        if self._file is not None:
+            return
+        cut = _cut_partial_last_line(self.path)
+        if cut:
+            _log.warning("%s ended in a line cut off mid-write (%d bytes, no newline): removed",
+                         self.path, cut)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if self._tensorboard:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(parent or ".", flush_secs=10)
+            self._tb = SummaryWriter(os.path.dirname(self.path) or ".", flush_secs=10)
 
     def write(self, record: Mapping):
         line = to_json_line(record)  # validates every value before either file sees it
+        self.open()
         self._file.write(line + "\n")
         self._file.flush()
         if self._tb is not None and isinstance(record.get("step"), numbers.Integral):
@@ -117,7 +163,8 @@ class MetricsWriter:
                     self._tb.add_scalar(key, float(np.asarray(value).reshape(())), record["step"])
 
     def close(self):
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 

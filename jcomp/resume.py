@@ -72,7 +72,19 @@ def data_mismatches(train_ds):
 def checkpoint_meta(run, train_ds, step_no: int, schedule_steps: int, streak: int) -> dict:
     """What a checkpoint of step `step_no` records beside the state."""
     return {"data": train_ds.state(step_no), "step": step_no, "fingerprint": run.fingerprint(),
-            "schedule_steps": schedule_steps, "nonfinite_streak": streak}
+            "schedule_steps": schedule_steps, "nonfinite_streak": streak,
+            "optim": dataclasses.asdict(run.optim)}
+
+
+def optim_changes(run, meta) -> list[str]:
+    """The optim.* fields this run sets otherwise than the checkpoint's run did,
+    as "optim.lr=0.001 (checkpoint: 0.003)"; a resume may change them."""
+    saved = meta.get("optim") if isinstance(meta, dict) else None
+    if not isinstance(saved, dict):
+        return []
+    mine = dataclasses.asdict(run.optim)
+    return [f"optim.{k}={mine[k]!r} (checkpoint: {saved[k]!r})" for k in mine
+            if k in saved and saved[k] != mine[k]]
 
 
 def open_checkpoints(run, workdir) -> checkpoint.Checkpointer:
@@ -127,6 +139,10 @@ def restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds) -> Start
     schedule_steps = int(meta.get("schedule_steps", run.train.steps))
     streak = int(meta.get("nonfinite_streak", 0))
     _log.info("resumed from %s at step %d", ckpt.step_path(start), start)
+    changed = optim_changes(run, meta)
+    if changed:
+        _log.warning("resuming with optimizer settings that differ from the checkpoint's: %s",
+                     ", ".join(changed))
     if schedule_steps != run.train.steps:
         _log.warning("train.steps=%d differs from the %d steps the learning-rate schedule "
                      "was laid out for; it keeps that length (constant after step %d)",

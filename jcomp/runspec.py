@@ -190,6 +190,9 @@ def _model_config(cfg) -> gpt.ModelConfig:
         raise UsageError(str(e).replace("ModelConfig.", "model.")) from None
 
 
+MAX_SEED = 2**63 - 1
+
+
 def validate(cfg, n_devices: int) -> RunSpec:
     """Checks the whole config before anything runs -> the RunSpec of the run."""
     model_cfg = _model_config(cfg)
@@ -202,8 +205,10 @@ def validate(cfg, n_devices: int) -> RunSpec:
                  "train.eval_every", "train.nonfinite_limit", "data.seq_len",
                  "data.eval_batches", "checkpoint.every", "checkpoint.keep"):
         _positive(cfg, name)
-    for name in ("optim.warmup_steps", "compression.warmup_steps", "data.val_permille"):
+    for name in ("optim.warmup_steps", "compression.warmup_steps", "data.val_permille", "seed"):
         _positive(cfg, name, zero_ok=True)
+    if cfg.seed > MAX_SEED:  # jax.random.key takes a signed 64-bit seed
+        raise UsageError(f"seed must be <= {MAX_SEED} (2**63 - 1); got {cfg.seed}")
     for name in ("optim.lr", "compression.bucket_mib"):
         _positive(cfg, name, integer=False)
     for name in ("optim.weight_decay", "optim.clip_norm", "optim.min_lr_ratio",
@@ -296,8 +301,11 @@ def _check_randomness(phases):
 
 
 def _check_data_fields(d):
-    """Fields that apply to one kind of source only are refused for the other,
-    instead of being ignored."""
+    """An empty source is refused (an unset $CORPUS, say); fields that apply to one
+    kind of source only are refused for the other, instead of being ignored."""
+    if not isinstance(d.source, str) or d.source.strip() in ("", "text:", "tokens:"):
+        raise UsageError(f"data.source={d.source!r} names no corpus; allowed: 'kjv', a text "
+                         "file, directory or glob, or 'tokens:TRAIN[,VAL]'")
     tokens = isinstance(d.source, str) and d.source.startswith("tokens:")
     if tokens and d.tokenizer:
         raise UsageError(f"data.tokenizer={d.tokenizer!r} does not apply to data.source="

@@ -77,8 +77,9 @@ def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None,
     own_stop = stop is None
     stop = faults.StopFlag().install() if own_stop else stop
     locks = []  # the workdir lock once taken, released however the run ends
+    created = not os.path.exists(workdir)
     try:
-        return _train(cfg, workdir, stop, hooks or hooks_lib.Hooks(), locks)
+        last = _train(cfg, workdir, stop, hooks or hooks_lib.Hooks(), locks)
     except checkpoint.SaveError as e:
         where = f"saving the checkpoint of step {e.step} to {e.directory}"
         raise faults.write_failed(where, e.last_complete, e.reason, e.disk_full) from None
@@ -87,6 +88,9 @@ def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None,
             lock.release()
         if own_stop:
             stop.uninstall()
+    if created and not last and stop.requested and jax.process_index() == 0:
+        faults.remove_empty_workdir(workdir)  # stopped before its first step: nothing written
+    return last
 
 
 def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, locks: list) -> dict:

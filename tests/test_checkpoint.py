@@ -452,3 +452,26 @@ def test_bad_arguments_raise(tmp_path, mesh):
         with pytest.raises(TypeError, match="expect_meta must be a dict"):
             ck.restore(abstract_like(state), expect_meta=["model"])
         assert ck.steps() == []
+
+
+def test_a_failure_reported_only_at_close_is_a_save_error(tmp_path, mesh):
+    """Orbax may report a background finalize failure (a file system turned
+    read-only) only when the manager closes: that is the same SaveError as a
+    failed wait, naming the step and the last complete checkpoint, so train.py
+    exits 3 with one line rather than a traceback."""
+    from jcomp.checkpoint import SaveError
+
+    state = _state(mesh)
+    ck = Checkpointer(tmp_path, save_every=1, keep=3)
+    ck.maybe_save(1, state, _meta(1))
+    ck.wait()
+    ck.maybe_save(2, state, _meta(2))
+    ck.wait()
+
+    def fail():
+        raise OSError(30, "Read-only file system")
+
+    ck._mngr.close = fail
+    with pytest.raises(SaveError, match="saving step 2 .* Read-only file system") as got:
+        ck.close()
+    assert got.value.last_complete == 2 and got.value.step == 2

@@ -518,6 +518,32 @@ def test_second_ctrl_c_exits_130_and_the_next_start_cleans_up(tmp_path):
     assert committed_steps(workdir) == [] and records(workdir) == recs
 
 
+def test_sigterm_before_the_first_step_leaves_no_workdir(tmp_path):
+    """A new workdir stopped during setup: exit 0, and nothing of it remains (no
+    lock file, no empty checkpoints/, metrics file or TensorBoard run)."""
+    workdir = str(tmp_path / "early")
+    proc = start(workdir, *TINY)
+    try:
+        assert wait_for_lock(proc, workdir), "the run never locked its workdir"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "nothing saved" in err, err[-3000:]
+    assert not os.path.exists(workdir), os.listdir(workdir)
+
+
+def test_sighup_asks_to_stop_as_sigterm_does():
+    from jcomp import faults
+    before = signal.getsignal(signal.SIGHUP)
+    with faults.StopFlag() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.requested
+    assert signal.getsignal(signal.SIGHUP) == before
+
+
 # ---------------------------------------------------------- resume mismatch
 
 def test_resume_mismatches_exit_2_before_anything_moves(finished, tmp_path):

@@ -110,7 +110,7 @@ def test_writer_rejects_what_is_not_a_scalar(tmp_path):
             log.write({1: 2.0})
         with pytest.raises(TypeError, match="record must be a dict"):
             log.write([("step", 1)])
-    assert read_metrics(tmp_path) == []  # a rejected record writes nothing
+    assert not os.path.exists(metrics_path(tmp_path))  # a rejected record writes nothing
 
 
 def test_series_keeps_last_record_per_step():
@@ -228,3 +228,22 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # makes `import name` raise ImportError
     with pytest.raises(ImportError, match=r"pip install 'jcomp\[plot\]'"):
         plot([a], tmp_path / "x.png")
+
+
+def test_writer_creates_nothing_before_its_first_record(tmp_path):
+    log = MetricsWriter(tmp_path / "run", tensorboard=True)
+    log.close()
+    assert os.listdir(tmp_path / "run") == []  # no metrics file, no empty TensorBoard run
+
+
+def test_a_line_cut_off_mid_write_is_removed_before_appending(tmp_path, caplog):
+    """A crash mid-write leaves a last line without its newline; the next run's
+    first record must not be glued onto it, and the file must stay readable."""
+    path = tmp_path / "m.jsonl"
+    partial = '{"step": 2, "lo'
+    path.write_text('{"step": 1, "loss": 2.0}\n' + partial)
+    with caplog.at_level("WARNING"), MetricsWriter(path) as log:
+        log.write({"step": 2, "loss": 1.5})
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    assert any("cut off mid-write" in r.getMessage() and f"{len(partial)} bytes" in r.getMessage()
+               for r in caplog.records), caplog.text

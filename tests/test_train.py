@@ -210,6 +210,10 @@ BAD = [
     ("--config.train.nonfinite=ignore", "train.nonfinite"),
     ("--config.optim.name=lion", "optim.name"),
     ("--config.compression.data.act=int8", "compression.data.act"),
+    ("--config.seed=9223372036854775808", "seed must be <= 9223372036854775807"),
+    ("--config.seed=-1", "seed must be >= 0"),
+    ("--config.data.source=", "data.source='' names no corpus"),
+    ("--config.data.source=text:", "data.source='text:' names no corpus"),
 ]
 
 
@@ -221,6 +225,7 @@ def test_invalid_config_exits_2_with_one_line(tmp_path, arg, field):
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1, proc.stderr
     assert field in lines[0] and "Traceback" not in proc.stderr
+    assert field.startswith("data.source") or "data.source" not in lines[0], lines[0]
     assert not workdir.exists(), "a rejected run must not create its workdir"
 
 
