@@ -14,17 +14,21 @@ step in flight, or before the first step with nothing to save), 1 stopped on
 non-finite losses, 2 bad configuration, flags, input or workdir, or the workdir
 in use by another trainer (one line on stderr, the workdir untouched), 3 a
 write failed mid-run, e.g. disk full (one line naming the last complete
-checkpoint), 130 a second Ctrl-C (stopped at once, nothing saved).
+checkpoint), 4 a peer process of the cluster was lost (one line naming it and
+the last complete checkpoint; the details in WORKDIR/process<i>.log), 130 a
+second Ctrl-C (stopped at once, nothing saved).
 """
 import os
 import re
 import sys
+import threading
+import time
 import traceback
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # configs/ import configs.base
 
-from jcomp import faults, quiet  # noqa: E402  (no JAX: the signal handlers go in first)
+from jcomp import cluster, faults, quiet  # noqa: E402  (no JAX: the signal handlers go in first)
 
 _STOP = faults.StopFlag().install()
 
@@ -57,6 +61,12 @@ flags.DEFINE_integer("num_processes", _env_int("JCOMP_NUM_PROCESSES"), "Number o
 flags.DEFINE_integer("process_id", _env_int("JCOMP_PROCESS_ID"), "This process's id.")
 flags.DEFINE_integer("cpu_devices", _env_int("JCOMP_CPU_DEVICES", 8),
                      "Emulated devices per process when JAX runs on the CPU.", lower_bound=1)
+flags.DEFINE_integer("peer_timeout", 120, "Seconds without a peer's heartbeat after which "
+                     "JAX ends the other processes of the cluster (train.py then exits 4).",
+                     lower_bound=1, upper_bound=3600)
+flags.DEFINE_integer("init_timeout", 300, "Seconds a process waits for the whole cluster to "
+                     "join (jax.distributed.initialize) before it gives up with one line.",
+                     lower_bound=1, upper_bound=3600)
 FLAGS = flags.FLAGS
 
 
@@ -71,11 +81,24 @@ def _start_jax():
         jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
     if FLAGS.coordinator_address or FLAGS.distributed:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # JAX's client ends the process from C++ when its own timeout passes, before
+        # any Python except runs: this timer says it first, in one line.
+        watchdog = threading.Timer(FLAGS.init_timeout, _fail, [
+            f"--coordinator_address={FLAGS.coordinator_address}: the cluster of "
+            f"{FLAGS.num_processes or 'the detected'} processes did not form within "
+            f"--init_timeout={FLAGS.init_timeout} s"
+            + ("" if FLAGS.process_id is None else f" (process {FLAGS.process_id} waited)") + "; "
+            "check that every process was started, with the same address and port"])
+        watchdog.daemon = True
+        watchdog.start()
         try:
             jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
                                        num_processes=FLAGS.num_processes,
-                                       process_id=FLAGS.process_id)
+                                       process_id=FLAGS.process_id,
+                                       initialization_timeout=FLAGS.init_timeout + 60,
+                                       heartbeat_timeout_seconds=FLAGS.peer_timeout)
         except (RuntimeError, ValueError) as e:
+            watchdog.cancel()
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if FLAGS.distributed and not FLAGS.coordinator_address:
                 _fail(f"--distributed: no cluster to join ({first}); JAX detects SLURM and "
@@ -83,6 +106,7 @@ def _start_jax():
                       "and --process_id")
             _fail(f"--coordinator_address={FLAGS.coordinator_address}: joining the cluster "
                   f"failed: {first}")
+        watchdog.cancel()
     return jax
 
 
@@ -161,10 +185,19 @@ def main(argv, full_argv=None, hooks=None):
         faults.check_workdir(workdir)
     except faults.UsageError as e:
         _fail(str(e))
+    if (FLAGS.coordinator_address or FLAGS.distributed) and not cluster.supervised():
+        cluster.supervise(sys.argv, workdir)  # this process's own command, run as its child
+    logging.set_verbosity(logging.WARNING)  # before JAX's own INFO lines on joining a cluster
     jax = _start_jax()
     from jcomp import trainer
 
-    logging.set_verbosity(logging.WARNING)
+    try:  # before anything is written: one config for the whole cluster
+        cluster.agree_on_config({**cfg.to_dict(), "--cpu_devices": FLAGS.cpu_devices},
+                                FLAGS.init_timeout)
+    except faults.UsageError as e:
+        cluster.leave_together()
+        _fail(str(e))
+
     try:
         last = trainer.train_and_evaluate(cfg, workdir, stop=_STOP, hooks=hooks)
     except trainer.UsageError as e:
@@ -173,6 +206,18 @@ def main(argv, full_argv=None, hooks=None):
         _fail(str(e), code=EXIT_NONFINITE)
     except trainer.WriteError as e:
         _fail(str(e), code=EXIT_WRITE)
+    except Exception as e:  # noqa: BLE001  (a lost peer surfaces as the runtime's own error)
+        if jax.process_count() == 1 or not cluster.is_peer_error(e):
+            raise
+        # A collective saw the peer go. JAX's coordination service names it once its
+        # heartbeats stop (--peer_timeout) and ends this process; the supervisor
+        # then says which process was lost. Should that not come, say it here.
+        traceback.print_exc(file=sys.__stderr__)  # into the process log
+        time.sleep(FLAGS.peer_timeout + 30)
+        _fail(f"a peer process of the cluster was lost ({str(e).strip().splitlines()[0]}); "
+              f"the last complete checkpoint is step {cluster.last_complete_step(workdir)}; "
+              "rerun every process with the same command to resume from it",
+              code=cluster.PEER_LOST_EXIT)
     if jax.process_index() == 0 and last:
         print(f"step {last['step']}: loss {last['loss']:.4f}"
               + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")

@@ -146,6 +146,14 @@ def demote_failed_save_errors():
 
 # -------------------------------------------------------------------- exit
 
+_terminal_fd = 2  # where the last word goes; jcomp.cluster moves fd 2 to a log
+
+
+def set_terminal_fd(fd: int):
+    global _terminal_fd
+    _terminal_fd = fd
+
+
 def exit_with_line(line: str, code: int):
     """Writes `line` (one line) on stderr as the process's last word and exits
     with `code` at once."""
@@ -156,7 +164,7 @@ def exit_with_line(line: str, code: int):
     # so descriptors 1 and 2 go to /dev/null before the line is written to a copy
     # of stderr, and the interpreter exits without the teardown that would wait
     # for those threads.
-    err = os.dup(2)
+    err = os.dup(_terminal_fd)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)

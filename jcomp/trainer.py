@@ -28,7 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jcomp import checkpoint, data, faults, resume, steprecord
+from jcomp import checkpoint, cluster, data, faults, resume, steprecord
 from jcomp import hooks as hooks_lib
 from jcomp import mesh as mesh_lib
 from jcomp import metrics as metrics_lib
@@ -103,6 +103,8 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     shapes = jax.eval_shape(make_params)
 
     locks.append(faults.lock_workdir(workdir))
+    if jax.process_count() > 1 and cluster.supervised():
+        cluster.divert_stderr(workdir, jax.process_index())
     ckpt = resume.open_checkpoints(run, workdir)
     start = resume.restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds)
     state, streak = start.state, start.streak

@@ -14,7 +14,7 @@ import pytest
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jcomp")
 LAYERS = (
     ("trainer", "runspec", "resume", "stepcache", "steprecord", "hooks", "quiet", "checkpoint",
-     "checksums", "data", "sources", "faults", "metrics"),
+     "checksums", "data", "sources", "faults", "metrics", "cluster"),
     ("mesh", "policy", "schedule"),
     ("messages",),
     ("step", "optimizer", "parallel", "model", "autoencoder", "powersgd"),

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -235,3 +236,88 @@ def test_two_processes_match_one(runs):
     assert sorted(multi) == sorted(single)
     for s in single:
         assert abs(multi[s] - single[s]) <= 1e-5 * abs(single[s]), (s, multi[s], single[s])
+
+
+def test_a_lost_peer_ends_the_survivor_in_one_line_and_the_rerun_resumes_bitwise(runs, tmp_path):
+    """2 processes x 4 devices as in "multi"; process 1 is killed (kill -9) after
+    step 5, past the checkpoint of step 4. Process 0 exits within --peer_timeout
+    (plus the time to notice) with exit 4 and one line naming process 1 and the
+    last complete checkpoint, and nothing of JAX's C++ log on its stderr (that
+    goes to WORKDIR/process0.log). Rerunning both processes with the same command
+    resumes from that checkpoint and reproduces "multi"'s losses bit for bit."""
+    workdir = str(tmp_path / "lost")
+    port = _free_port()
+    cmd = lambda i, *extra: [sys.executable, "tests/faultinject.py", *extra, "--",
+                             f"--workdir={workdir}", *TINY,
+                             f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                             f"--process_id={i}", "--cpu_devices=4", "--peer_timeout=5"]
+    env = {**_env(4), "XLA_FLAGS": ""}
+    procs = [subprocess.Popen(cmd(i, "--step_sleep=1.0"), cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        path = os.path.join(workdir, "metrics.jsonl")
+        while time.monotonic() < deadline and procs[1].poll() is None:
+            if os.path.exists(path) and max(losses(workdir), default=0) >= 5:
+                break
+            time.sleep(0.1)
+        procs[1].kill()
+        t0 = time.monotonic()
+        _, err = procs[0].communicate(timeout=120)
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode == 4, err[-3000:]
+    assert waited < 5 + 30, waited
+    lines = [l for l in err.splitlines() if l.startswith("train.py:")]
+    assert len(lines) == 1 and "process 1 of the cluster was lost" in lines[0], err[-3000:]
+    assert "last complete checkpoint is step 4" in lines[0], lines[0]
+    assert "process0.log" in lines[0] and "Check failure" not in err and "Traceback" not in err
+    assert "Terminating process" in open(os.path.join(workdir, "process0.log")).read()
+
+    port = _free_port()
+    rerun = [subprocess.Popen(cmd(i), cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for i in range(2)]
+    finish(rerun, timeout=400)
+    got, want = losses(workdir), losses(runs["multi"])
+    assert sorted(got) == sorted(want) and all(got[s] == want[s] for s in want), (got, want)
+
+
+def _cluster(workdir, port, extra_by_process, *flags):
+    env = {**_env(4), "XLA_FLAGS": ""}
+    return [subprocess.Popen([sys.executable, "train.py", f"--workdir={workdir}", *TINY,
+                              f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                              f"--process_id={i}", "--cpu_devices=4", *flags, *extra],
+                             cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+            for i, extra in enumerate(extra_by_process)]
+
+
+def test_processes_given_different_configs_are_refused_before_anything_is_written(tmp_path):
+    """Process 1 with another optim.lr and train.steps: both processes exit 2 with
+    the same one line naming process 1 and both fields with both values, and the
+    workdir is never created (no process trains apart, none waits at the end)."""
+    workdir = tmp_path / "w"
+    procs = _cluster(str(workdir), _free_port(),
+                     [[], ["--config.optim.lr=0.001", "--config.train.steps=9"]])
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert p.returncode == 2 and len(lines) == 1, err[-3000:]
+        assert ("process 1 differs from process 0 in optim.lr (0.01 on process 0, 0.001 on "
+                "process 1), train.steps (8 on process 0, 9 on process 1)") in lines[0], lines[0]
+    assert not workdir.exists()
+
+
+def test_a_cluster_that_never_forms_ends_in_one_line_within_init_timeout(tmp_path):
+    """Only process 0 of 2 starts (a node that did not come up, a wrong port)."""
+    workdir = tmp_path / "w"
+    [proc] = _cluster(str(workdir), _free_port(), [[]], "--init_timeout=3")
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, err[-3000:]
+    assert "did not form within --init_timeout=3 s" in lines[0], lines[0]
+    assert time.monotonic() - t0 < 3 + 30 and not workdir.exists()
