@@ -467,6 +467,27 @@ def sizes_section(sz: dict) -> str:
     return head + "\n\n" + table(["op", "codec", "n"] + [str(e) for e in sizes], rows)
 
 
+def lr_section(sweep: list) -> tuple[str, list[str]]:
+    """The baseline's learning-rate sweep (convergence_lr/lr*/summary.json, each the
+    baseline at one rate): a table and the rate every setting then runs at."""
+    rows = sorted((s["lr"], r["seed"], r["final_val_loss"], (r.get("git_commit") or "-")[:7],
+                   s["steps"]) for s in sweep for r in s["runs"] if r["name"] == "baseline")
+    best = min(rows, key=lambda r: r[2])
+    text = "\n".join([
+        "The uncompressed baseline at each learning rate (`python benchmarks/convergence.py "
+        "--suite seeds --only baseline --steps 600 --seeds 0 --lr LR --out "
+        "benchmarks/results/convergence_lr/lrLR`); the seeds suite runs every setting at the "
+        "rate with the lowest final val_loss.", "",
+        table(["optim.lr", "seed", "steps", "final val_loss", "commit"],
+              [[f"{lr:g}", seed, steps, f"{v:.4f}", c] for lr, seed, v, c, steps in rows])])
+    edge = best[0] in (rows[0][0], rows[-1][0])
+    claim = (f"Learning-rate sweep of the baseline ({', '.join(f'{r[0]:g}' for r in rows)}; "
+             f"seed {rows[0][1]}, {rows[0][4]} steps): the lowest final val_loss is at "
+             f"{best[0]:g} ({best[2]:.4f})" + (", the edge of the swept range: a higher rate "
+                                             "may do better" if edge else "") + ".")
+    return text, [claim]
+
+
 def parallel_section(par: dict) -> str:
     rows = [[",".join(map(str, r["shape"])), r["policy"], r["microbatches"], fmt(r["time_s"], ".3f"),
              fmt(r.get("time_ratio"), ".2f"), human_bytes(r["wire_bytes_total"]),
@@ -565,6 +586,12 @@ def build(results: str, page_dir: str) -> str:
             page += ["What these sets were read to show, kept as they were written: each claim "
                      "that rests on a run compressing `tensor.act` or `pipeline.act` is invalid.",
                      ""] + [f"- {c}" for c in found] + [""]
+    sweep = [_load(p) for p in sorted(glob.glob(os.path.join(results, "convergence_lr", "lr*",
+                                                             "summary.json")))]
+    if sweep:
+        text, lr_claims = lr_section(sweep)
+        page += ["## Learning rate of the baseline", "", text, ""]
+        claims += lr_claims
     if proj:
         page += ["## Projection to GPT-NeoX-20B", "", projection_section(proj)]
         claims += projection_claims(proj)

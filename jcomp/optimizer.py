@@ -72,6 +72,7 @@ from jcomp import codecs
 from jcomp import collectives as cc
 from jcomp import powersgd
 from jcomp import wire
+from jcomp.collectives.buckets import bucketed
 
 # The names of the two messages this update sends in the step's plan
 # (jcomp.messages), under which the byte meter reports them.
@@ -386,13 +387,29 @@ def _padded_grads(grads, p_leaves, masters, axes, multiple):
     return flats
 
 
+def _lax_buckets(flats, send, to_rows, from_rows, bucket_bytes):
+    """Uncompressed, the ZeRO buffers travel as a few buckets (as DDP's do) rather
+    than a message per leaf: jcomp.collectives sends "none" leaf by leaf, as lax
+    does, since the order of a sum over a concatenated buffer is the backend's.
+    The optimizer asks for the buckets here, where no gradient flows through them."""
+    return bucketed(flats, lambda f: (f, ("data",)), to_rows, from_rows,
+                    lambda buf, axes, key: send(buf), None, bucket_bytes)
+
+
 def _gather_params(master_leaves, p_leaves, codec, key, bucket_bytes):
     """(1, 1, 1, c) master shards -> working params: gathered over 'data' (invariant
     there), un-padded, reshaped to the local param shapes and cast to their dtypes."""
+    flats = [m.reshape(-1) for m in master_leaves]
     with wire.message_scope(PARAM_GATHER):
-        gathered = cc.all_gather([m.reshape(-1) for m in master_leaves], "data", tiled=True,
-                                 to="invarying", codec=codec, key=key, rows="flat",
-                                 bucket_bytes=bucket_bytes)
+        if codecs.parse(codec).kind == "identity":
+            d = lax.axis_size("data")
+            gathered = _lax_buckets(
+                flats, lambda buf: lax.all_gather(buf, "data", axis=0, tiled=True,
+                                                  to="invarying"),
+                lambda f: f[None], lambda out, f: out.reshape(d * f.shape[0]), bucket_bytes)
+        else:
+            gathered = cc.all_gather(flats, "data", tiled=True, to="invarying", codec=codec,
+                                     key=key, rows="flat", bucket_bytes=bucket_bytes)
     return [x[:p.size].reshape(p.shape).astype(p.dtype) for x, p in zip(gathered, p_leaves)]
 
 
@@ -404,6 +421,11 @@ def _reduce(flats, res, codec, key, bucket_bytes):
     kw = dict(scatter_dimension=0, tiled=True, codec=codec, key=key, rows="flat",
               bucket_bytes=bucket_bytes)
     with wire.message_scope(GRAD_REDUCE):
+        if res is None and codecs.parse(codec).kind == "identity":
+            d = lax.axis_size("data")
+            return _lax_buckets(
+                flats, lambda buf: lax.psum_scatter(buf, "data", scatter_dimension=0, tiled=True),
+                lambda f: f.reshape(d, -1), lambda out, f: out.reshape(-1), bucket_bytes), None
         if res is not None:
             return cc.psum_scatter_ef(flats, res, "data", **kw)
         return cc.psum_scatter(flats, "data", **kw), None
