@@ -300,8 +300,12 @@ def test_kill_during_save_resumes_from_last_complete_checkpoint(reference, tmp_p
 
     before = n_records(workdir)
     assert records(workdir)[-1]["step"] == 8
+    # A kill can also land mid-line in metrics.jsonl: the rerun cuts the line off.
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 9, "loss": 1.2')
     proc = run(workdir, *TINY, "--config.train.steps=12")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cut off mid-write" in proc.stderr and "Traceback" not in proc.stderr
     assert not unfinished_saves(workdir), "the unfinished save was left behind"
     resumed = records(workdir)[before:]
     assert [r["step"] for r in resumed] == list(range(5, 13)), "did not resume from 4"
@@ -518,14 +522,15 @@ def test_second_ctrl_c_exits_130_and_the_next_start_cleans_up(tmp_path):
     assert committed_steps(workdir) == [] and records(workdir) == recs
 
 
-def test_sigterm_before_the_first_step_leaves_no_workdir(tmp_path):
-    """A new workdir stopped during setup: exit 0, and nothing of it remains (no
-    lock file, no empty checkpoints/, metrics file or TensorBoard run)."""
+def test_sighup_before_the_first_step_leaves_no_workdir(tmp_path):
+    """A new workdir stopped during setup by SIGHUP (a closed terminal), which stops
+    a run as SIGTERM does: exit 0, and nothing of the workdir remains (no lock
+    file, no empty checkpoints/, metrics file or TensorBoard run)."""
     workdir = str(tmp_path / "early")
     proc = start(workdir, *TINY)
     try:
         assert wait_for_lock(proc, workdir), "the run never locked its workdir"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGHUP)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
