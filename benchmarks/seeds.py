@@ -302,6 +302,13 @@ def claims(summary: dict, preset_setting: str | None) -> list[str]:
                            f"{n} {r:.2f}x" for n, r in ratios) + ". Above 1, clip_norm scales "
                        "those updates down more than the baseline's, so a gap also reflects a "
                        "different effective step size, not only what the codec loses.")
+    forward = [st for st in sts.values() if st.get("compressed_minus_exact")]
+    if forward:
+        out.append(f"{tag} Final val_loss through each setting's own compressed forward minus "
+                   "the exact one (mean over seeds): " + ", ".join(
+                       f"{st['name']} {st['compressed_minus_exact']['mean']:+.4f}"
+                       + (" (FLAG: beyond the seed std)" if st["forward_codec_flag"] else "")
+                       for st in forward) + ".")
     out += ef_claims(summary)
     d = paired_difference(runs, "grad_int4rot_efoff", "grad_int4_efoff")
     if d:
