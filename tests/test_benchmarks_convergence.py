@@ -388,3 +388,25 @@ def test_the_readme_seeds_table_is_the_seeds_suites():
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     assert table_after(readme, "Convergence over seeds, **withdrawn** (") == table_after(
         results, "### results/convergence_seeds:")
+
+
+def test_a_forward_codec_that_moves_the_loss_beyond_the_seed_spread_is_flagged():
+    """val_loss is the exact forward's; a setting that codes its forward also has
+    the loss through it. Where the two differ by more than the exact val_loss's
+    std over seeds, the codec itself moves the loss beyond the noise: flagged,
+    in the table and in a claim. A setting without a forward codec has neither."""
+    def run(name, seed, exact, compressed=None):
+        return {"name": name, "seed": seed, "final_val_loss": exact,
+                "final_val_loss_compressed": compressed, "overrides": {}, "policy": "baseline",
+                "error_feedback": "auto", "gap_pct": 0.0, "byte_ratio": 0.2}
+
+    runs = [run("hybrid", s, 1.40 + 0.01 * s, 1.40 + 0.01 * s - 0.05) for s in range(3)]
+    runs += [run("calm", s, 1.40 + 0.01 * s, 1.40 + 0.01 * s + 0.001) for s in range(3)]
+    runs += [run("grad_only", s, 1.40 + 0.01 * s) for s in range(3)]
+    sts = {st["name"]: st for st in seeds_lib.settings(runs)}
+    assert sts["hybrid"]["forward_codec_flag"] is True
+    assert sts["hybrid"]["compressed_minus_exact"]["mean"] == pytest.approx(-0.05)
+    assert sts["calm"]["forward_codec_flag"] is False
+    assert "val_loss_compressed" not in sts["grad_only"]
+    cells = [seeds_lib._forward_cell(sts[n]) for n in ("hybrid", "calm", "grad_only")]
+    assert "**FLAG**" in cells[0] and "FLAG" not in cells[1] and cells[2].startswith("= exact")
