@@ -155,3 +155,63 @@ def test_rows_is_checked(mesh):
                        in_specs=EVERY, out_specs=EVERY)
     with pytest.raises(ValueError, match="rows must be one of 'independent', 'flat'; got 'token'"):
         jax.jit(fn)(jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, EVERY)))
+
+
+# rows="flat": leaves share buckets, but never a block.
+FLAT_OPS = {
+    "psum": lambda t, c: cc.psum(t, ("data", "tensor"), codec=c, rows="flat"),
+    "psum_scatter": lambda t, c: cc.psum_scatter(t, "data", tiled=True, codec=c, rows="flat"),
+    "all_gather": lambda t, c: cc.all_gather(t, "data", tiled=True, codec=c, rows="flat"),
+    "psum_ef": lambda t, c: cc.psum_ef(t, jax.tree.map(jnp.zeros_like, t), ("data", "tensor"),
+                                       codec=c, rows="flat")[0],
+    "psum_scatter_ef": lambda t, c: cc.psum_scatter_ef(
+        t, jax.tree.map(jnp.zeros_like, t), "data", tiled=True, codec=c, rows="flat")[0],
+}
+
+
+def _flat_leaves(seed):
+    """A leaf whose length no block divides (first, so a block would run on into
+    the next leaf), a small leaf of tiny values, a large one: per device."""
+    rng = np.random.default_rng(seed)
+    return {"a_odd": rng.standard_normal((8 * 100,)).astype(np.float32),
+            "b_small": (1e-3 * rng.standard_normal((8 * 512,))).astype(np.float32),
+            "c_big": rng.standard_normal((8 * 4096,)).astype(np.float32)}
+
+
+def _flat_run(mesh, op, codec, tree):
+    fn = jax.shard_map(lambda t: FLAT_OPS[op](t, codec), mesh=mesh, in_specs=EVERY,
+                       out_specs=EVERY, check_vma=False)
+    placed = {k: jax.device_put(v, NamedSharding(mesh, EVERY)) for k, v in tree.items()}
+    return jax.tree.map(np.asarray, jax.jit(fn)(placed))
+
+
+@pytest.mark.parametrize("op", sorted(FLAT_OPS))
+@pytest.mark.parametrize("codec", ["int8", "int4:rot", "fp8", "topk:0.05"])
+def test_flat_bucket_leaves_do_not_mix(mesh, op, codec):
+    """Scaling one leaf of a flat bucket by 1000 on every device moves no element
+    of the other leaves, bit for bit: no block, scale, rotation or top-k budget
+    spans two leaves."""
+    leaves = _flat_leaves(3)
+    base = _flat_run(mesh, op, codec, leaves)
+    for moved in leaves:
+        out = _flat_run(mesh, op, codec, {**leaves, moved: leaves[moved] * 1000.0})
+        for name in leaves:
+            if name != moved:
+                np.testing.assert_array_equal(out[name], base[name],
+                                              err_msg=f"{moved} moved {name}")
+
+
+def test_flat_bucket_small_leaf_error_is_its_own(mesh):
+    """A small leaf of tiny gradients beside large ones: its error in the bucket is
+    its error when reduced alone (the same blocks; the all-reduce's form may
+    differ with the bucket's size, hence a bound rather than bit equality), not
+    the large leaves' scale (before leaves kept to block boundaries: 100x)."""
+    leaves = _flat_leaves(4)
+    exact = leaves["b_small"].reshape(8, -1).reshape(2, 2, 2, -1).sum(axis=(0, 1))
+    # device (d, t, p) holds the sum over d and t of its pipeline index p's pieces
+    rel = lambda got: np.abs(got.reshape(8, -1) - np.tile(exact, (4, 1))).max() / np.abs(
+        exact).max()
+    together = rel(_flat_run(mesh, "psum", "int8", leaves)["b_small"])
+    alone = rel(_flat_run(mesh, "psum", "int8", {"b_small": leaves["b_small"]})["b_small"])
+    assert together <= 1.5 * alone, (together, alone)
+    assert alone < 0.02, alone

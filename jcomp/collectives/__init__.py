@@ -22,6 +22,7 @@ collectives") tables what each op sends, forward and back.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, NamedTuple
 
 import jax
@@ -187,15 +188,21 @@ def _tree(op, x, ready, to_rows, from_rows, send, key, bucket_bytes, row_of=last
           prepare=None):
     """The leaves of `x` coded and sent in buckets: send(buf, live axes, row, key),
     where `row` is row_of(leaf) with rows="independent" (leaves share a bucket only
-    with leaves of their row length) and None with rows="flat". The results are
-    named for remat."""
+    with leaves of their row length) and with rows="flat" a block, or None, that
+    no leaf shares with another (`kernels.flat_group`). The results are named
+    for remat."""
     axes = ready.axes
     prepare = prepare or (lambda leaf: (_vary(leaf, axes), axes))
+    alone = itertools.count()
 
     def grouped(leaf):
         leaf, live = prepare(leaf)
-        row = row_of(leaf) if ready.rows == "independent" else None
-        return leaf, ((live, row) if live else None)
+        if not live:
+            return leaf, None
+        if ready.rows == "independent":
+            return leaf, (live, row_of(leaf))
+        length = to_rows(leaf).shape[1]
+        return leaf, (live,) + kernels.flat_group(length, (ready.fwd, ready.bwd), alone)
 
     out = bucketed(x, grouped, to_rows, from_rows,
                    lambda buf, group, k: send(buf, group[0], group[1], k), key, bucket_bytes)
@@ -376,3 +383,4 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
                  lambda buf, live, row, k: _EXCHANGE(Sent(live, fwd, bwd, row), buf, k),
                  key, bucket_bytes,
                  row_of=lambda leaf: split_row(leaf, split_axis % leaf.ndim, n, tiled))
+

@@ -20,6 +20,7 @@ bytes than the raw rows; where not, the `jax.lax` op runs raw in the named scope
 """
 from __future__ import annotations
 
+import math
 import operator
 import sys
 import warnings
@@ -97,6 +98,26 @@ def check_rows(rows):
 def last_row(leaf) -> int:
     """The row a codec codes on its own: a leaf's last axis (1 for a 0-d leaf)."""
     return max(int(leaf.shape[-1]), 1) if leaf.ndim else 1
+
+
+def flat_group(length: int, codecs, alone) -> tuple:
+    """rows="flat": how a leaf of `length` elements per buffer row shares a bucket.
+
+    -> (row,) or (None, next(alone)), the second for a leaf that travels alone.
+    Every leaf in a bucket starts on a block boundary and fills whole blocks, so
+    that no scale or rotation is set by another leaf: a block codec's leaves
+    whose length is a multiple of its block (jcomp's ZeRO shards are) share
+    buckets coded in rows of one block, element-wise codecs (casts) share freely,
+    and every other leaf, like every leaf of a top-k or rand-k codec (whose
+    budget a bucket would share), is its own bucket."""
+    if any(c.kind == "sparse" for c in codecs):
+        return (None, next(alone))
+    granule = 1
+    for c in codecs:
+        granule = math.lcm(granule, c.row_multiple)
+    if granule == 1:
+        return (None,)
+    return (granule,) if length % granule == 0 else (None, next(alone))
 
 
 def split_row(leaf, dim: int, n: int, tiled: bool) -> int:
