@@ -2,8 +2,6 @@
 that left unsent, for the caller to add to the next step's x."""
 from __future__ import annotations
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -86,12 +84,10 @@ def _ef(op, x, residual, axis_name, codec, key, rows, bucket_bytes, to_rows, row
     res_leaves = treedef.flatten_up_to(residual)
     corrected = [lax.stop_gradient(kernels.vary(leaf + res.astype(leaf.dtype), axes))
                  for leaf, res in zip(leaves, res_leaves)]
-    alone = itertools.count()
-
     def group(leaf):
         if rows == "independent":
             return leaf, (axes, row_of(leaf))
-        return leaf, (axes,) + kernels.flat_group(to_rows(leaf).shape[1], (c,), alone)
+        return leaf, (axes,) + kernels.flat_group(to_rows(leaf).shape[1], (c,))
 
     got = bucketed(corrected, group, to_rows, done,
                    lambda buf, g, k: send(buf, g[0], c, kernels.device_key(k, g[0], c), g[1]),

@@ -100,24 +100,25 @@ def last_row(leaf) -> int:
     return max(int(leaf.shape[-1]), 1) if leaf.ndim else 1
 
 
-def flat_group(length: int, codecs, alone) -> tuple:
-    """rows="flat": how a leaf of `length` elements per buffer row shares a bucket.
+def flat_group(length: int, codecs) -> tuple:
+    """rows="flat": the coded row of a leaf of `length` elements per buffer row,
+    the key on which leaves share a bucket -> (row,) or (None,).
 
-    -> (row,) or (None, next(alone)), the second for a leaf that travels alone.
-    Every leaf in a bucket starts on a block boundary and fills whole blocks, so
-    that no scale or rotation is set by another leaf: a block codec's leaves
-    whose length is a multiple of its block (jcomp's ZeRO shards are) share
-    buckets coded in rows of one block, element-wise codecs (casts) share freely,
-    and every other leaf, like every leaf of a top-k or rand-k codec (whose
-    budget a bucket would share), is its own bucket."""
+    No leaf's scale, rotation or top-k budget is set by another leaf: a block
+    codec's leaves whose length is a multiple of its block (jcomp's ZeRO
+    shards are) share buckets coded in rows of one block, so each leaf starts
+    on a block boundary and fills whole blocks; any other leaf is a row of its
+    own (with leaves of its length: a short one gets one block that covers
+    it), and so is every leaf of a top-k or rand-k codec. Element-wise codecs
+    (casts) bucket freely."""
     if any(c.kind == "sparse" for c in codecs):
-        return (None, next(alone))
+        return (length,)
     granule = 1
     for c in codecs:
         granule = math.lcm(granule, c.row_multiple)
     if granule == 1:
         return (None,)
-    return (granule,) if length % granule == 0 else (None, next(alone))
+    return (granule,) if length % granule == 0 else (length,)
 
 
 def split_row(leaf, dim: int, n: int, tiled: bool) -> int:
