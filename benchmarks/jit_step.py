@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -150,7 +151,7 @@ def train(mesh, codec=None, steps=20, microbatches=1, seed=0):
     return params, losses, report
 
 
-def data_reductions(report) -> int:
+def data_collectives(report) -> int:
     """Executions per step of the collectives over "data" alone."""
     return sum(c.count for c in report.collectives if c.axes == ("data",))
 
@@ -173,6 +174,15 @@ def _timed_in(mesh, codec, steps, microbatches):
     return (time.perf_counter() - t0) / steps
 
 
+def _commit() -> str:
+    """HEAD, with "-dirty" where jcomp/ or this script differ from it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True)
+    head = run("rev-parse", "HEAD").stdout.strip() or "unknown"
+    dirty = run("status", "--porcelain", "jcomp", "benchmarks/jit_step.py").stdout.strip()
+    return head + ("-dirty" if dirty else "")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--codec", default="int8")
@@ -183,11 +193,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     mesh = make_mesh()
     out = {"codec": args.codec, "microbatches": args.microbatches, "steps": args.steps,
-           "mesh": dict(mesh.shape), "jax": jax.__version__}
+           "mesh": dict(mesh.shape), "jax": jax.__version__, "git_commit": _commit()}
     for name, codec in (("plain", None), ("jcomp", args.codec)):
         _, losses, report = train(mesh, codec, args.steps, args.microbatches)
         out[name] = {"bytes_by_axis": report.by_axis(), "total_bytes": report.total(),
-                     "data_reductions": data_reductions(report), "final_loss": losses[-1],
+                     "data_collectives": data_collectives(report), "final_loss": losses[-1],
                      "notes": report.notes}
     times = {"plain": [], "jcomp": []}
     for _ in range(args.repeats):
@@ -205,8 +215,8 @@ def main(argv=None):
               f"ratio {b / a if a else float('nan'):.3f}")
     print(f"  bytes in all         plain {p['total_bytes']:>12.0f}  jcomp {j['total_bytes']:>12.0f}"
           f"  ratio {j['total_bytes'] / p['total_bytes']:.3f}")
-    print(f"  reductions over data per step: plain {p['data_reductions']}, "
-          f"jcomp {j['data_reductions']}")
+    print(f"  collectives over data per step: plain {p['data_collectives']}, "
+          f"jcomp {j['data_collectives']}")
     print(f"  median step: plain {p['median_step_s'] * 1e3:.2f} ms, jcomp "
           f"{j['median_step_s'] * 1e3:.2f} ms, ratio {j['median_step_s'] / p['median_step_s']:.3f}")
     print(f"  loss after {args.steps} steps: plain {p['final_loss']:.4f}, "
