@@ -213,12 +213,11 @@ def _accumulate(value_of, params, batch, k, axes):
     return (loss, aux), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
-def _scatter_dim(local, full) -> int | None:
-    """The dimension `scatter_specs` added the data axes on, or None."""
-    for dim, (a, b) in enumerate(zip(tuple(local) + (None,) * 8, full)):
-        if a != b:
-            return dim
-    return None
+def _scatter_dim(spec, scattered) -> int | None:
+    """The dimension `scatter_specs` put the data axes on (`scattered` is its spec
+    for the leaf of `spec`), or None where the leaf stays whole."""
+    parts = tuple(spec) + (None,) * (len(scattered) - len(spec))
+    return next((dim for dim, (a, b) in enumerate(zip(parts, scattered)) if a != b), None)
 
 
 def _scatter(grads, specs, out_specs, data_axes, key, reduce_kw):
@@ -237,7 +236,7 @@ def _scatter(grads, specs, out_specs, data_axes, key, reduce_kw):
             got = ops.pmean(part, data_axes, key=k, **reduce_kw)
         else:
             got = ops.psum_scatter(part, data_axes, scatter_dimension=dim, tiled=True,
-                                     key=k, **reduce_kw)
+                                   key=k, **reduce_kw)
             got = [g / d for g in got]
         for j, g in zip(idx, got):
             out[j] = g
@@ -265,7 +264,7 @@ def gather_params(shards, *, mesh, param_specs, data_axes="data", codec="none",
             idx = [j for j, x in enumerate(dims) if x == dim]
             kk = None if k is None else jax.random.fold_in(k, i)
             got = ops.all_gather([leaves[j] for j in idx], data_axes, axis=dim, tiled=True,
-                                to="invarying", codec=codec, key=kk, rows=rows, **bucket)
+                                 to="invarying", codec=codec, key=kk, rows=rows, **bucket)
             for j, g in zip(idx, got):
                 out[j] = g
         return out
