@@ -171,3 +171,20 @@ def test_has_aux_is_averaged_as_the_loss(mesh, microbatches):
     np.testing.assert_allclose(float(aux["twice"]), 2 * float(plain), rtol=1e-6)
     # each rank's microbatch holds 64 / 4 / microbatches rows of 8 tokens
     assert float(aux["tokens"]) == 64 // 4 // microbatches * js.SEQ
+
+
+def test_the_benchmark_reports_bytes_and_times_side_by_side(tmp_path, capsys):
+    """benchmarks/jit_step.py at its smallest: both steps' bytes per axis, their
+    median step times and final losses, printed and written with the commit."""
+    import json
+
+    out = tmp_path / "jit.json"
+    js.main(["--codec", "int8", "--steps", "2", "--repeats", "1", "--out", str(out)])
+    got = json.loads(out.read_text())
+    for side in ("plain", "jcomp"):
+        assert set(got[side]["bytes_by_axis"]) == {"data", "model"}
+        assert len(got[side]["step_s"]) == 1 and got[side]["median_step_s"] > 0
+    assert got["jcomp"]["bytes_by_axis"]["data"] <= 0.26 * got["plain"]["bytes_by_axis"]["data"]
+    assert got["git_commit"]
+    text = capsys.readouterr().out
+    assert "bytes over data" in text and "median step: plain" in text

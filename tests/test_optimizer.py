@@ -403,3 +403,24 @@ def test_sgd_is_heavy_ball_momentum_and_names_are_checked():
         np.testing.assert_allclose(updates["w"], -sched(i) * trace, rtol=1e-6)
     with pytest.raises(ValueError, match="adamw, sgd"):
         opt.make_tx(**HP, name="lion")
+
+
+@pytest.mark.parametrize("grad", ["int8", "int4:rot", "fp8", "int2:block=64", "topk:0.01", "bf16"])
+@pytest.mark.parametrize("size", [1, 7, 128, 300, 4096, 70_001])
+def test_zero_shards_fill_whole_blocks(grad, size):
+    """Each ZeRO shard of a leaf is whole blocks of the gradient codec (and of the
+    parameter codec), so in the flat buckets the reduce-scatter and the gather
+    send, every leaf starts on a block boundary and no leaf's scale is set by
+    another (kernels.flat_group keys the shard by one block, or by its own
+    length for top-k, never by a length that mixes leaves)."""
+    from jcomp.codecs import parse
+    from jcomp.collectives import kernels
+
+    policy = jpolicy.preset("hybrid").replace({"data.grad": grad, "data.param": "int8"})
+    c = opt.shard_len(size, 4, opt.layout_multiple(policy))
+    codecs = (parse(grad), parse("int8"))
+    for codec in codecs:
+        assert c % codec.row_multiple == 0
+    row = kernels.flat_group(c, (parse(grad),))[0]
+    assert row in ((c,) if parse(grad).kind == "sparse" else
+                   (None,) if parse(grad).row_multiple == 1 else (parse(grad).row_multiple,))
