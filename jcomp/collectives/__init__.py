@@ -8,16 +8,18 @@ backward's; default `codec`), `key=`, `rows=` and `bucket_bytes=`. With both
 codecs "none" the call *is* the lax call, on any pytree. What travels is the
 codec's payload (`kernels`), or the raw operand, with a warning, where the codec
 cannot send fewer bytes. Gradients come from one `custom_vjp` factory
-(`_coded`): the transpose of the lax op, sent with `bwd_codec`. Results are
-named `REMAT_NAMES[op]` for remat policies.
+(`ops._coded`): the transpose of the lax op, sent with `bwd_codec`. Results are
+named `REMAT_NAMES[op]` for remat policies. `value_and_grad` (`jitgrad`) brings
+the gradient reduction of a `jax.jit` program without shard_map here.
 
 `rows` says what a lossy codec may mix. "independent" (the default): every
 vector along a leaf's last axis (one token's features) is coded on its own, so
 no block, scale, rotation or top-k selection spans two of them, and an output
 row depends only on the input rows lax's op would combine into it. "flat": a
-leaf is one flat vector, and leaves travel as flat buckets whose blocks may
-span leaves; for gradient and parameter buffers only. The README ("Using the
-collectives") tables what each op sends, forward and back.
+leaf is one flat vector, for gradient and parameter buffers only; leaves share
+flat buckets, but every leaf starts on a block boundary and fills whole
+blocks, so no leaf's scale is set by another (`kernels.flat_group`). The
+README ("Using the collectives") tables what each op sends, forward and back.
 """
 from jcomp.collectives.ops import (  # noqa: F401
     DEFAULT_BUCKET_BYTES, RAW_SCOPE, REMAT_NAMES, ROWS, RawSendWarning, all_gather, all_to_all,

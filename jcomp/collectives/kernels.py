@@ -10,8 +10,9 @@ Inside `shard_map`, on buffers `x_RxM` (R = 1 or G, the devices along `axes`):
 
 `row` is the length of the rows a codec codes each on its own: a block, scale,
 rotation or top-k selection never spans two of them (M is a multiple of
-`row`). None codes each buffer row of M elements as one flat vector
-(`rows="flat"` of the public ops: gradient and parameter buckets).
+`row`): a leaf's last axis, or in `rows="flat"` buckets one block or one
+leaf (`flat_group`). None codes each buffer row of M elements as one flat
+vector (a cast's flat bucket, where no element depends on another).
 
 A payload travels as one uint8 buffer per buffer row. `plan` (`allreduce_plan`, which
 also picks the form) decides from static shapes whether the codec sends fewer
