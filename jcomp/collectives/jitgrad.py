@@ -17,7 +17,10 @@ nested in it, manual over the parameters' own axes, reduces each device's
 shard of each gradient with `jcomp.collectives`: no leaf is gathered over an
 automatic axis, and leaves share flat buckets only on block boundaries
 (`rows="flat"`: no leaf's scale is set by another). With `codec="none"` the
-reduction is `lax.pmean`, the all-reduce XLA would have inserted.
+reduction is `lax.pmean`, the all-reduce XLA would have inserted, and the
+bytes per axis are the plain program's; the values agree to the last bits
+only, since XLA compiles the per-rank forward and backward inside the map on
+their own and may fuse and order their float operations differently.
 
 `microbatches=k` accumulates the k microbatches' gradients in float32 with a
 `lax.scan` and reduces once per call, where XLA reduces inside the loop, once
