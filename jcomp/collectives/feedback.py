@@ -85,9 +85,7 @@ def _ef(op, x, residual, axis_name, codec, key, rows, bucket_bytes, to_rows, row
     corrected = [lax.stop_gradient(kernels.vary(leaf + res.astype(leaf.dtype), axes))
                  for leaf, res in zip(leaves, res_leaves)]
     def group(leaf):
-        if rows == "independent":
-            return leaf, (axes, row_of(leaf))
-        return leaf, (axes,) + kernels.flat_group(to_rows(leaf).shape[1], (c,))
+        return leaf, (axes,) + kernels.row_key(rows, leaf, row_of, to_rows, (c,))
 
     got = bucketed(corrected, group, to_rows, done,
                    lambda buf, g, k: send(buf, g[0], c, kernels.device_key(k, g[0], c), g[1]),

@@ -223,6 +223,19 @@ def _scatter_dim(spec, scattered) -> int | None:
     return next((dim for dim, (a, b) in enumerate(zip(parts, scattered)) if a != b), None)
 
 
+def _per_dim(leaves, dims, key, send):
+    """The leaves sent one call per distinct dimension in `dims` (so leaves of one
+    dimension still share buckets): send(part, dim, key) -> results of `part`;
+    each call's key folded with its index. -> every leaf's result."""
+    out = list(leaves)
+    for i, dim in enumerate(sorted(set(dims), key=lambda x: -1 if x is None else x)):
+        idx = [j for j, x in enumerate(dims) if x == dim]
+        k = None if key is None else jax.random.fold_in(key, i)
+        for j, g in zip(idx, send([leaves[j] for j in idx], dim, k)):
+            out[j] = g
+    return out
+
+
 def _scatter(grads, specs, out_specs, data_axes, key, reduce_kw):
     """Each leaf's mean over the data axes, reduce-scattered along its scatter
     dimension (one call per dimension, so leaves still share buckets), or
@@ -230,20 +243,15 @@ def _scatter(grads, specs, out_specs, data_axes, key, reduce_kw):
     leaves, treedef = jax.tree.flatten(grads)
     dims = [_scatter_dim(s, o) for s, o in zip(specs, treedef.flatten_up_to(out_specs))]
     d = lax.axis_size(data_axes)
-    out = list(leaves)
-    for i, dim in enumerate(sorted(set(dims), key=lambda x: -1 if x is None else x)):
-        idx = [j for j, x in enumerate(dims) if x == dim]
-        part = [leaves[j] for j in idx]
-        k = None if key is None else jax.random.fold_in(key, i)
+
+    def send(part, dim, k):
         if dim is None:
-            got = ops.pmean(part, data_axes, key=k, **reduce_kw)
-        else:
-            got = ops.psum_scatter(part, data_axes, scatter_dimension=dim, tiled=True,
-                                   key=k, **reduce_kw)
-            got = [g / d for g in got]
-        for j, g in zip(idx, got):
-            out[j] = g
-    return jax.tree.unflatten(treedef, out)
+            return ops.pmean(part, data_axes, key=k, **reduce_kw)
+        got = ops.psum_scatter(part, data_axes, scatter_dimension=dim, tiled=True, key=k,
+                               **reduce_kw)
+        return [g / d for g in got]
+
+    return jax.tree.unflatten(treedef, _per_dim(leaves, dims, key, send))
 
 
 def gather_params(shards, *, mesh, param_specs, data_axes="data", codec="none",
@@ -261,15 +269,15 @@ def gather_params(shards, *, mesh, param_specs, data_axes="data", codec="none",
     in_specs = scatter_specs(shards, param_specs, mesh, data_axes)
     dims = [_scatter_dim(s, o) for s, o in zip(specs, treedef.flatten_up_to(in_specs))]
 
-    def gather(leaves, k):
+    def gather(leaves, k):  # leaves that stayed whole are whole already
+        moved = [j for j, dim in enumerate(dims) if dim is not None]
+        got = _per_dim([leaves[j] for j in moved], [dims[j] for j in moved], k,
+                       lambda part, dim, kk: ops.all_gather(
+                           part, data_axes, axis=dim, tiled=True, to="invarying", codec=codec,
+                           key=kk, rows=rows, **bucket))
         out = list(leaves)
-        for i, dim in enumerate(sorted({x for x in dims if x is not None})):
-            idx = [j for j, x in enumerate(dims) if x == dim]
-            kk = None if k is None else jax.random.fold_in(k, i)
-            got = ops.all_gather([leaves[j] for j in idx], data_axes, axis=dim, tiled=True,
-                                 to="invarying", codec=codec, key=kk, rows=rows, **bucket)
-            for j, g in zip(idx, got):
-                out[j] = g
+        for j, g in zip(moved, got):
+            out[j] = g
         return out
 
     leaves = jax.tree.leaves(shards)

@@ -114,12 +114,19 @@ def flat_group(length: int, codecs) -> tuple:
     (casts) bucket freely."""
     if any(c.kind == "sparse" for c in codecs):
         return (length,)
-    granule = 1
-    for c in codecs:
-        granule = math.lcm(granule, c.row_multiple)
+    granule = math.lcm(*(c.row_multiple for c in codecs))
     if granule == 1:
         return (None,)
     return (granule,) if length % granule == 0 else (length,)
+
+
+def row_key(rows: str, leaf, row_of, to_rows, codecs) -> tuple:
+    """(row,): the coded row of `leaf` and the key it shares buckets on;
+    row_of(leaf) with rows="independent", `flat_group` of its buffer row
+    (to_rows(leaf), [R, m]) with rows="flat"."""
+    if rows == "independent":
+        return (row_of(leaf),)
+    return flat_group(to_rows(leaf).shape[1], codecs)
 
 
 def split_row(leaf, dim: int, n: int, tiled: bool) -> int:

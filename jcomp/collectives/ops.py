@@ -179,10 +179,8 @@ def _tree(op, x, ready, to_rows, from_rows, send, key, bucket_bytes, row_of=last
         leaf, live = prepare(leaf)
         if not live:
             return leaf, None
-        if ready.rows == "independent":
-            return leaf, (live, row_of(leaf))
-        length = to_rows(leaf).shape[1]
-        return leaf, (live,) + kernels.flat_group(length, (ready.fwd, ready.bwd))
+        return leaf, (live,) + kernels.row_key(ready.rows, leaf, row_of, to_rows,
+                                              (ready.fwd, ready.bwd))
 
     out = bucketed(x, grouped, to_rows, from_rows,
                    lambda buf, group, k: send(buf, group[0], group[1], k), key, bucket_bytes)
