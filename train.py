@@ -28,7 +28,7 @@ import traceback
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # configs/ import configs.base
 
-from jcomp import cluster, faults, quiet  # noqa: E402  (no JAX: the signal handlers go in first)
+from jcomp.train import cluster, faults, quiet  # noqa: E402  (no JAX: the signal handlers go in first)
 
 _STOP = faults.StopFlag().install()
 
@@ -171,7 +171,7 @@ def _loaded_config(argv):
 
 def main(argv, full_argv=None, hooks=None):
     """absl's main: `argv` what flag parsing left, `full_argv` the command line it
-    parsed (default sys.argv), `hooks` a jcomp.hooks.Hooks for the loop."""
+    parsed (default sys.argv), `hooks` a jcomp.train.hooks.Hooks for the loop."""
     if len(argv) > 1:
         _fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if _ENV_ERRORS:
@@ -189,7 +189,7 @@ def main(argv, full_argv=None, hooks=None):
         cluster.supervise(sys.argv, workdir)  # this process's own command, run as its child
     logging.set_verbosity(logging.WARNING)  # before JAX's own INFO lines on joining a cluster
     jax = _start_jax()
-    from jcomp import trainer
+    from jcomp.train import loop as trainer
 
     try:  # before anything is written: one config for the whole cluster
         cluster.agree_on_config({**cfg.to_dict(), "--cpu_devices": FLAGS.cpu_devices},
@@ -259,7 +259,7 @@ def _unknown_field(e: KeyError, argv) -> str:
 
 def run(argv=None, hooks=None):
     """The command: parses `argv` (default sys.argv; argv[0] the program) and
-    trains, calling `hooks` (a jcomp.hooks.Hooks) at the loop's defined points."""
+    trains, calling `hooks` (a jcomp.train.hooks.Hooks) at the loop's defined points."""
     argv = list(sys.argv if argv is None else argv)
     app.run(lambda rest: main(rest, argv, hooks), argv=argv, flags_parser=_parse_flags)
 

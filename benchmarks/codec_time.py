@@ -42,10 +42,10 @@ import jax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parallel as bench_parallel  # noqa: E402  (benchmarks/parallel.py)
 
-from jcomp import mesh as jmesh  # noqa: E402
-from jcomp import parallel  # noqa: E402
-from jcomp import policy as policy_lib  # noqa: E402
-from jcomp import wire  # noqa: E402
+from jcomp.gpt import mesh as jmesh  # noqa: E402
+from jcomp.gpt import parallel  # noqa: E402
+from jcomp.gpt import policy as policy_lib  # noqa: E402
+from jcomp.meter import wire  # noqa: E402
 
 DEFAULTS = dict(repeats=11, d_model=128, layers=4, heads=4, d_ff=512, vocab=256, seq=128,
                 batch=16)

@@ -5,7 +5,7 @@
     python benchmarks/collectives.py --sizes    # bytes only, sizes 1..1Mi, axes 2..8
 
 For every op x codec x size (per-device float32 elements) it reports the bytes
-one device sends per call, read from the compiled program by `jcomp.wire`, and
+one device sends per call, read from the compiled program by `jcomp.meter.wire`, and
 their ratio to the uncompressed jax.lax op; the relative L2 error of the output
 against that op; and the median wall time with its ratio to the jax.lax op.
 Timed calls of all codecs of one op and size are interleaved round-robin, so
@@ -41,12 +41,12 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jcomp import autoencoder  # noqa: E402
+from jcomp.gpt import autoencoder  # noqa: E402
 from jcomp import codecs  # noqa: E402
 from jcomp import collectives as cc  # noqa: E402
-from jcomp import powersgd  # noqa: E402
-from jcomp import mesh as jmesh  # noqa: E402
-from jcomp import wire  # noqa: E402
+from jcomp.collectives import powersgd  # noqa: E402
+from jcomp.gpt import mesh as jmesh  # noqa: E402
+from jcomp.meter import wire  # noqa: E402
 
 OPS = {"psum": "data", "psum_scatter": "data", "all_gather": "tensor",
        "ppermute": "pipeline", "all_to_all": "data"}

@@ -9,7 +9,7 @@ Every run is `python train.py` in a subprocess with its own workdir under
 --out: the same config, seed (so the same initial weights), data order and
 (2, 2, 2) mesh, differing only in the compression settings. Suites:
 
-  main      baseline, naive, hybrid (the presets of `jcomp.policy`)
+  main      baseline, naive, hybrid (the presets of `jcomp.gpt.policy`)
   ablation  one axis compressed at a time, as hybrid compresses it: data
             (grad=int4 with error feedback, param=int8), tensor (act and
             act_grad int8), pipeline (act and act_grad int8)
@@ -51,9 +51,9 @@ never mix.
 `summary.json` in --out covers every finished run found there, per run:
 final and best val_loss, the gap of the final val_loss to the baseline's in
 percent, bytes one device sends per step over each mesh axis and in total
-(the first metrics record, which `jcomp.trainer` fills from the compiled
+(the first metrics record, which `jcomp.train.loop` fills from the compiled
 step), and the ratio of that total to the baseline's. Loss curves
-(`jcomp.metrics.plot`) go to main_loss.png, sweep_grad_loss.png and
+(`jcomp.train.metrics.plot`) go to main_loss.png, sweep_grad_loss.png and
 sweep_act_loss.png when their runs exist.
 
 --quick trains configs/tiny.py for a few steps (baseline and hybrid): a
@@ -76,8 +76,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jcomp import faults  # noqa: E402
-from jcomp import metrics as metrics_lib  # noqa: E402
+from jcomp.train import faults  # noqa: E402
+from jcomp.train import metrics as metrics_lib  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import seeds as seeds_lib  # noqa: E402
 
@@ -327,7 +327,7 @@ def add_comparisons(runs: list[dict]) -> list[dict]:
 
 
 def _json_safe(x):
-    """Non-finite floats as the strings jcomp.metrics uses, so the file is strict JSON."""
+    """Non-finite floats as the strings jcomp.train.metrics uses, so the file is strict JSON."""
     if isinstance(x, float) and not math.isfinite(x):
         return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
     if isinstance(x, dict):

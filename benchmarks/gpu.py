@@ -51,7 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from jcomp import codecs  # noqa: E402
-from jcomp import mesh as jmesh  # noqa: E402
+from jcomp.gpt import mesh as jmesh  # noqa: E402
 
 DEFAULTS = dict(sizes_mib=[1, 4, 16, 64, 256], codecs=["bf16", "fp8", "int8", "int4", "int2",
                                                          "topk:0.01"],

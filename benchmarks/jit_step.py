@@ -11,7 +11,7 @@ model: XLA inserts every collective of the plain step. The jcomp step differs
 in one call, `cc.value_and_grad` in place of `jax.value_and_grad`.
 
 Prints and writes, for each side: bytes per mesh axis read from the compiled
-step (jcomp.wire), the count of reductions over "data", the median step time
+step (jcomp.meter.wire), the count of reductions over "data", the median step time
 of --repeats timed runs of --steps steps (the two sides alternate, so drift on
 a shared machine hits both), and the loss after --steps steps. The task: map
 each token to a fixed random permutation of the vocabulary.
@@ -38,7 +38,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jcomp import collectives as cc  # noqa: E402
-from jcomp import wire  # noqa: E402
+from jcomp.meter import wire  # noqa: E402
 
 RULES = (("batch", "data"), ("embed", None), ("mlp", "model"), ("vocab", "model"))
 VOCAB, EMBED, MLP, LAYERS, SEQ = 256, 128, 512, 2, 8

@@ -8,7 +8,7 @@ Every row is the median of its repeated runs (`combine`). Inputs, per policy,
 from the unthrottled row only: its median step time C (the
 compute, with a loopback that is fast next to it), the kernel's bytes per
 step K (headers included: tbf meters whole packets) and the collectives per
-step M that jcomp.wire counts in the compiled step. The link: beta = the tbf
+step M that jcomp.meter.wire counts in the compiled step. The link: beta = the tbf
 rate / 8 bytes/s, and alpha, a per-collective latency, calibrated on one
 throttled run (the baseline at the calibration rate) as what its step time
 holds beyond C and K / beta. Two models:

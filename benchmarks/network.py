@@ -28,13 +28,13 @@ row (rate x policy) it records:
     also evaluated (its record has val_loss), are left out; what came before
     step 1's record (coordinator, compile-time exchanges, the first
     broadcast, step 1) is reported apart as startup bytes;
-  - `jcomp.wire`'s bytes for the same compiled step: metrics.jsonl's
+  - `jcomp.meter.wire`'s bytes for the same compiled step: metrics.jsonl's
     wire_bytes_total is per device, averaged over the mesh, so the link should
     carry it times the number of devices;
   - what TCP carried: the kernel's bytes less 66 header bytes (Ethernet 14,
     IPv4 20, TCP 32 with timestamps) per packet, and the TCP segments
     retransmitted (the namespace's /proc/net/snmp);
-  - the collectives per step jcomp.wire counts (metrics' wire_collectives;
+  - the collectives per step jcomp.meter.wire counts (metrics' wire_collectives;
     --count-collectives adds it to rows recorded before it was logged);
   - losses per step and validation losses.
 Every row runs --repeats times, repeat-major (every rate and policy once, then
@@ -366,7 +366,7 @@ def sweep(args) -> int:
 
 
 def count_collectives(args) -> int:
-    """Adds collectives_per_step (collective executions per step, read by jcomp.wire
+    """Adds collectives_per_step (collective executions per step, read by jcomp.meter.wire
     from the compiled step) to the rows of --out that lack it: one 2-step run of
     train.py per policy, one process on 8 emulated devices (no socket is opened)."""
     commit, _ = git_commit()

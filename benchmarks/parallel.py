@@ -5,7 +5,7 @@
                                   [--d-model 128 --layers 4 --heads 4 --seq 128 --batch 16]
 
 For every mesh shape (data, tensor, pipeline) x policy x microbatch count M it
-builds `jcomp.step.make_train_step` (ZeRO stage 1, AdamW, global-norm
+builds `jcomp.gpt.step.make_train_step` (ZeRO stage 1, AdamW, global-norm
 clipping), compiles it ahead of time and reports:
   - the median wall time of that compiled step, and its ratio to the baseline
     policy on the same mesh and M. All compiled steps are timed round-robin in
@@ -13,7 +13,7 @@ clipping), compiles it ahead of time and reports:
     for its result (queued calls deadlock emulated CPU devices);
   - parameter and optimizer-state bytes on the first device, measured from the
     arrays (`step.device_bytes`);
-  - bytes one device sends per step over each mesh axis, read by `jcomp.wire`
+  - bytes one device sends per step over each mesh axis, read by `jcomp.meter.wire`
     from the same compiled executable that is timed;
   - the pipeline bubble. Predicted: GPipe's (P - 1) / (M + P - 1). Measured
     (baseline policy only, so compression costs are not counted as bubble):
@@ -52,10 +52,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from jcomp import mesh as jmesh  # noqa: E402
-from jcomp import model as gpt  # noqa: E402
-from jcomp import messages, optimizer, parallel, step, wire  # noqa: E402
-from jcomp import policy as policy_lib  # noqa: E402
+from jcomp.gpt import mesh as jmesh  # noqa: E402
+from jcomp.gpt import model as gpt  # noqa: E402
+from jcomp.gpt import messages, optimizer, parallel, step  # noqa: E402
+from jcomp.meter import wire
+from jcomp.gpt import policy as policy_lib  # noqa: E402
 
 AXES = jmesh.AXES
 DEFAULTS = dict(shapes=[(8, 1, 1), (2, 2, 2), (1, 2, 4)], policies=["baseline", "hybrid", "naive"],

@@ -38,7 +38,7 @@ The model (alpha-beta, no overlap of communication with compute):
 Wire bytes per message for the 20B model: element counts come analytically from
 configs/neox20b.py (below); bytes per element are 2 (its bf16) uncompressed, and
 4 * r_axis compressed, where r_axis is the byte ratio policy / baseline that
-jcomp.wire measured on the compiled train step of the small model
+jcomp.meter.wire measured on the compiled train step of the small model
 (benchmarks/convergence.py's summary.json, float32 there, hence the 4). That
 ratio already carries the codec's block scales and any message the policy
 leaves uncompressed on that axis. Messages per training step, per GPU:

@@ -8,7 +8,7 @@ temporary worktree) and with the code of this checkout, `python train.py` in a
 subprocess each, and compares per case:
 
   bytes     the compiled train step's wire bytes per mesh axis (metrics.jsonl's
-            static record, read from the compiled program by jcomp.wire):
+            static record, read from the compiled program by jcomp.meter.wire):
             must be identical;
   losses    the training loss of every one of the first --steps steps: must
             agree to 1e-6 relative; the report also says whether they are

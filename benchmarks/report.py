@@ -24,7 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jcomp.metrics import human_bytes  # noqa: E402
+from jcomp.train.metrics import human_bytes  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report_network  # noqa: E402
 import seeds as seeds_lib  # noqa: E402
@@ -164,8 +164,8 @@ def convergence_section(summary: dict, rel_dir: str) -> str:
 
 
 def hybrid_preset_setting(settings: list[dict]) -> str | None:
-    """The name of the setting whose policy is jcomp.policy's hybrid preset, or None."""
-    from jcomp import policy
+    """The name of the setting whose policy is jcomp.gpt.policy's hybrid preset, or None."""
+    from jcomp.gpt import policy
 
     target = policy.preset("hybrid")
     for st in settings:

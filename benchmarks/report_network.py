@@ -160,7 +160,7 @@ def network_section(net: dict, link: dict | None) -> tuple[str, list[str]]:
            f"{max(r['loadavg_before'] for r in rows):.1f} before the runs): times are noisy."
            + paper,
            "", "Kernel bytes: the namespace's lo bytes per steady-state step (headers "
-           "included); meter: jcomp.wire's bytes per device x 8 devices; payload: kernel bytes "
+           "included); meter: jcomp.meter.wire's bytes per device x 8 devices; payload: kernel bytes "
            "less 66 header bytes per packet. Predicted: benchmarks/linkprofile.py's overlapped "
            "model (compute and transfer overlap), calibrated on the unthrottled rows and the "
            "baseline at the calibration rate; additive: the same inputs with no overlap.", ""]

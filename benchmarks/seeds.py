@@ -16,7 +16,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from jcomp import metrics as metrics_lib  # noqa: E402
+from jcomp.train import metrics as metrics_lib  # noqa: E402
 
 GAP_TARGET_PCT = 1.0       # "reaches the baseline's loss": the gap's interval below +1%
 BYTES_TARGET = 1 / 6       # the project's goal for the hybrid preset's bytes per step
@@ -283,7 +283,7 @@ def claims(summary: dict, preset_setting: str | None) -> list[str]:
                        f"({best['byte_ratio']:.3f}, gap {best['gap_pct']['mean']:+.2f}% "
                        f"{_fmt_ci(best['gap_pct'])})." if best else "."))
     if preset_setting:
-        out.append(f"{tag} The hybrid preset (jcomp.policy) is the setting {preset_setting}.")
+        out.append(f"{tag} The hybrid preset (jcomp.gpt.policy) is the setting {preset_setting}.")
     for name in ("hybrid_paper", "naive"):
         st = sts.get(name)
         if st and st["gap_pct"] and st["gap_pct"]["ci95"]:

@@ -6,7 +6,7 @@
 For each axis size n, op, codec and per-device operand size it compiles the
 `jcomp.collectives` call and the `jax.lax` call on a 1-D mesh of n emulated
 devices and prints the ratio of the bytes one device sends per call, both read
-from the compiled programs by `jcomp.wire`. A cell where jcomp sends the
+from the compiled programs by `jcomp.meter.wire`. A cell where jcomp sends the
 operand raw (the codec cannot win at that size) is marked `raw`; the meter
 finds those from the compiled program's metadata, not from a formula.
 
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jcomp import codecs  # noqa: E402
 from jcomp import collectives as cc  # noqa: E402
-from jcomp import wire  # noqa: E402
+from jcomp.meter import wire  # noqa: E402
 
 OPS = ("psum", "psum_scatter", "all_gather", "ppermute", "all_to_all")
 ELEMENTS = (1, 7, 100, 4096, 1024 * 1024)

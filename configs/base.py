@@ -48,9 +48,9 @@ def get_config():
         bucket_mib=32.0))
     # Per-(axis, kind) schedule: "CODEC@STEP,..." with increasing steps, uncompressed
     # before the first; a bare "@STEP" starts the policy's codec ("" = from step 0).
-    # E.g. schedule.data.grad="bf16@0,int8@200,int4@1000". See jcomp/schedule.py.
+    # E.g. schedule.data.grad="bf16@0,int8@200,int4@1000". See jcomp/gpt/schedule.py.
     c.compression.schedule = ml_collections.ConfigDict()
-    # One field per message the step sends (jcomp.policy.MESSAGES).
+    # One field per message the step sends (jcomp.gpt.policy.MESSAGES).
     for axis, kinds in (("data", ("grad", "param")), ("tensor", ("grad", "act", "act_grad")),
                         ("pipeline", ("act", "act_grad"))):
         c.compression[axis] = ml_collections.ConfigDict({k: "" for k in kinds})

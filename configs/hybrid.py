@@ -1,7 +1,7 @@
 """The hybrid preset: the setting benchmarks/RESULTS.md measured best over seeds
 (int4:rot on data-parallel gradients and on tensor-parallel activations and
 their gradients, int8 on pipeline sends and parameter gathers, no error
-feedback). See jcomp/policy.py."""
+feedback). See jcomp/gpt/policy.py."""
 from configs import base
 
 

@@ -9,8 +9,8 @@ import sys
 import jax
 import pytest
 
-import benchscripts
-from jcomp import wire
+from tests import benchscripts
+from jcomp.meter import wire
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "collectives.py"

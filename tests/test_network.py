@@ -1,5 +1,5 @@
 """benchmarks/network.py: train.py over a throttled loopback in a private
-network namespace, checked against jcomp.wire's byte meter."""
+network namespace, checked against jcomp.meter.wire's byte meter."""
 import functools
 import json
 import os
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-import benchscripts
+from tests import benchscripts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "network.py"

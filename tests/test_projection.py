@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-import benchscripts
+from tests import benchscripts
 
 proj = benchscripts.load("projection")
 MESH1 = {"data": 1, "tensor": 1, "pipeline": 1}

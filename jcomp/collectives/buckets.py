@@ -42,8 +42,8 @@ def bucketed(x, prepare, to_rows, from_rows, send, key, bucket_bytes):
 
     prepare(leaf) -> (leaf, group): `group` (hashable) is passed to `send`; a
     falsy group means the leaf is already its own result. to_rows(leaf) ->
-    [R, m]; send(buf_RxM, group, key) -> an array or a tuple of arrays whose
-    last axis is M; from_rows(piece(s), leaf) -> the leaf's result.
+    [R, m]; send(buf_RxC, group, key) -> an array or a tuple of arrays whose
+    last axis is C; from_rows(piece(s), leaf) -> the leaf's result.
     """
     _check(bucket_bytes)
     leaves, treedef = jax.tree.flatten(x)

@@ -1,23 +1,23 @@
 """Coded collective kernels on flat rows, and the choice between coded and raw.
 
-Inside `shard_map`, on buffers `x_RxM` (R = 1 or G, the devices along `axes`):
+Inside `shard_map`, on buffers `x_RxC` (R = 1 or G, the devices along `axes`):
 
-  allreduce(x_1xM)       -> (sum 1xM, what this device was sent as 1xM f32)
-  reduce_scatter(x_GxM)  -> (row r of the sum 1xM f32, what was sent GxM f32)
-  gather(x_1xM, to)      -> GxM (row i from device i)
-  permute(x_1xM, perm)   -> 1xM
-  exchange(x_GxM)        -> GxM (row i from device i)
+  allreduce(x_1xC)       -> (sum 1xC, what this device was sent as 1xC f32)
+  reduce_scatter(x_GxC)  -> (row r of the sum 1xC f32, what was sent GxC f32)
+  gather(x_1xC, to)      -> GxC (row i from device i)
+  permute(x_1xC, perm)   -> 1xC
+  exchange(x_GxC)        -> GxC (row i from device i)
 
 `row` is the length of the rows a codec codes each on its own: a block, scale,
-rotation or top-k selection never spans two of them (M is a multiple of
+rotation or top-k selection never spans two of them (C is a multiple of
 `row`): a leaf's last axis, or in `rows="flat"` buckets one block or one
-leaf (`flat_group`). None codes each buffer row of M elements as one flat
+leaf (`flat_group`). None codes each buffer row of C elements as one flat
 vector (a cast's flat bucket, where no element depends on another).
 
 A payload travels as one uint8 buffer per buffer row. `plan` (`allreduce_plan`, which
 also picks the form) decides from static shapes whether the codec sends fewer
 bytes than the raw rows; where not, the `jax.lax` op runs raw in the named scope
-`RAW_SCOPE.format(codec)`, which jcomp.wire reports, and a warning says so.
+`RAW_SCOPE.format(codec)`, which jcomp.meter.wire reports, and a warning says so.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jcomp import codecs as _codecs
+from jcomp.collectives.scope import RAW_SCOPE
 
-RAW_SCOPE = "jcomp_raw({})"
 
 
 class RawSendWarning(UserWarning):
@@ -66,10 +66,10 @@ def parse(codec):
     c = _codecs.parse(codec)
     if c.kind == "lowrank":
         raise ValueError(f"codec {c} compresses data-parallel gradients through "
-                         "jcomp.powersgd.reduce (or the optimizer), not a collective")
+                         "jcomp.collectives.powersgd.reduce (or the optimizer), not a collective")
     if c.kind == "learned":
         raise ValueError(f"codec {c} is a learned autoencoder whose weights are model "
-                         "parameters; jcomp.parallel applies it inside the model's blocks")
+                         "parameters; jcomp.gpt.parallel applies it inside the model's blocks")
     return c
 
 
@@ -279,9 +279,9 @@ def _view(codec, m: int, row=None) -> tuple:
     return (m // u, u) if codec.kind == "dense" and u > 1 and m % u == 0 else (m,)
 
 
-def encode(codec, x_RxM, key, row=None):
-    r, m = x_RxM.shape
-    return codec.encode(x_RxM.reshape((r,) + _view(codec, m, row)), key=key)
+def encode(codec, x_RxC, key, row=None):
+    r, m = x_RxC.shape
+    return codec.encode(x_RxC.reshape((r,) + _view(codec, m, row)), key=key)
 
 
 def decode(codec, payload, r: int, m: int, dtype, row=None):
@@ -378,47 +378,47 @@ def _raw(op, codec, m, n, dtype, fn, *args, row=None):
         return fn(*args)
 
 
-def allreduce(x_1xM, axes, codec, key, *, op="psum", row=None):
-    """Sum over `axes` -> (1xM in x's dtype, 1xM f32 that this device's x was sent as),
+def allreduce(x_1xC, axes, codec, key, *, op="psum", row=None):
+    """Sum over `axes` -> (1xC in x's dtype, 1xC f32 that this device's x was sent as),
     in the form `allreduce_plan` picks. Sparse codecs send each row's (or chunk's)
     top entries: 2F of the raw bytes at any n. A rotated codec sums in its rotated
     basis: the rotation runs on the sender's row and once on the sum."""
-    n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
+    n, m, dtype = lax.axis_size(axes), x_1xC.shape[1], x_1xC.dtype
     form = allreduce_plan(codec, m, n, dtype, row)
     if form is None:
-        return (_raw(op, codec, m, n, dtype, lax.psum, x_1xM, axes, row=row),
-                x_1xM.astype(jnp.float32))
+        return (_raw(op, codec, m, n, dtype, lax.psum, x_1xC, axes, row=row),
+                x_1xC.astype(jnp.float32))
     if form.name == "gather":
-        return _allreduce_gathered(x_1xM, axes, form.codec, form.length, key, form.row)
-    return _allreduce_owners(x_1xM, axes, form, key, row)
+        return _allreduce_gathered(x_1xC, axes, form.codec, form.length, key, form.row)
+    return _allreduce_owners(x_1xC, axes, form, key, row)
 
 
-def _padded_rows(x_1xM, rows: int, length: int):
-    x_flat = x_1xM.reshape(-1)
+def _padded_rows(x_1xC, rows: int, length: int):
+    x_flat = x_1xC.reshape(-1)
     if rows * length != x_flat.shape[0]:
         x_flat = jnp.pad(x_flat, (0, rows * length - x_flat.shape[0]))
     return x_flat.reshape(rows, length)
 
 
-def _allreduce_gathered(x_1xM, axes, fitted, g, key, row=None):
+def _allreduce_gathered(x_1xC, axes, fitted, g, key, row=None):
     """Every device all_gathers the coded rows (g elements each) and sums all n of
     them, in one order on every device, so the sum is the same everywhere."""
-    n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
-    payload = encode(fitted, _padded_rows(x_1xM, 1, g), key, row)
+    n, m, dtype = lax.axis_size(axes), x_1xC.shape[1], x_1xC.dtype
+    payload = encode(fitted, _padded_rows(x_1xC, 1, g), key, row)
     total = _sum_rows(fitted, _all_gather(payload, axes), n, g, row)
     # Only error feedback reads `sent`; elsewhere XLA removes its computation.
     sent = decode(fitted, payload, 1, g, jnp.float32, row)
     return total[None, :m].astype(dtype), sent[:, :m]
 
 
-def _owner_chunks(x_1xM, n: int, form, row):
+def _owner_chunks(x_1xC, n: int, form, row):
     """x as the n owners' chunks [n, c]: consecutive elements, or with
     `form.split` the j-th n-th part of every row of `row` elements (each row
     zero-padded to n parts)."""
     if not form.split:
-        return _padded_rows(x_1xM, n, form.length)
+        return _padded_rows(x_1xC, n, form.length)
     piece = form.row
-    x_RxC = x_1xM.reshape(-1, row)
+    x_RxC = x_1xC.reshape(-1, row)
     if n * piece != row:
         x_RxC = jnp.pad(x_RxC, ((0, 0), (0, n * piece - row)))
     return jnp.swapaxes(x_RxC.reshape(-1, n, piece), 0, 1).reshape(n, -1)
@@ -433,14 +433,14 @@ def _from_owner_chunks(y_GxC, m: int, form, row):
     return y_RxC[:, :row].reshape(1, m)
 
 
-def _allreduce_owners(x_1xM, axes, form, key, row=None):
+def _allreduce_owners(x_1xC, axes, form, key, row=None):
     """Device j sums chunk j (c elements) of every device (all_to_all of coded
     chunks, float32 sum), re-codes it and all_gathers the coded sums; a rotated
     codec's owner sums and re-codes in the rotated basis."""
-    n, m, dtype = lax.axis_size(axes), x_1xM.shape[1], x_1xM.dtype
+    n, m, dtype = lax.axis_size(axes), x_1xC.shape[1], x_1xC.dtype
     fitted, c, crow = form.codec, form.length, form.row
     k1, k2 = (None, None) if key is None else tuple(jax.random.split(key))
-    payload = encode(fitted, _owner_chunks(x_1xM, n, form, row), k1, crow)
+    payload = encode(fitted, _owner_chunks(x_1xC, n, form, row), k1, crow)
     received = _all_to_all(payload, axes)
     if getattr(fitted, "rot", False):  # the owner's sum is coded again in the basis it came in
         own_B = _sum_in_basis(fitted, received, n)
@@ -462,41 +462,41 @@ def _allreduce_owners(x_1xM, axes, form, key, row=None):
     return total, _from_owner_chunks(sent_GxC, m, form, row)
 
 
-def reduce_scatter(x_GxM, axes, codec, key, *, op="psum_scatter", row=None):
-    """Row j of every device's x_GxM summed onto device j -> (1xM f32, sent GxM f32)."""
-    n, m, dtype = x_GxM.shape[0], x_GxM.shape[1], x_GxM.dtype
+def reduce_scatter(x_GxC, axes, codec, key, *, op="psum_scatter", row=None):
+    """Row j of every device's x_GxC summed onto device j -> (1xC f32, sent GxC f32)."""
+    n, m, dtype = x_GxC.shape[0], x_GxC.shape[1], x_GxC.dtype
     fitted = plan(codec, n, m, dtype, row)
     if fitted is None:
         total = _raw(op, codec, m, n, dtype, lambda a: lax.psum_scatter(a, axes, scatter_dimension=0,
-                                                           tiled=True), x_GxM, row=row)
-        return total.astype(jnp.float32), x_GxM.astype(jnp.float32)
-    payload = encode(fitted, x_GxM, key, row)
+                                                           tiled=True), x_GxC, row=row)
+        return total.astype(jnp.float32), x_GxC.astype(jnp.float32)
+    payload = encode(fitted, x_GxC, key, row)
     total = _sum_rows(fitted, _all_to_all(payload, axes), n, m, row)
     return total[None], decode(fitted, payload, n, m, jnp.float32, row)
 
 
-def _moved(op, x_RxM, axes, codec, key, send, rows_out: int, row):
-    """`send` (a jax.lax op on arrays) of x's coded payload, decoded to rows_out x M
+def _moved(op, x_RxC, axes, codec, key, send, rows_out: int, row):
+    """`send` (a jax.lax op on arrays) of x's coded payload, decoded to rows_out x C
     of x's dtype; the raw rows where the codec cannot send fewer bytes."""
-    r, m, dtype = x_RxM.shape[0], x_RxM.shape[1], x_RxM.dtype
+    r, m, dtype = x_RxC.shape[0], x_RxC.shape[1], x_RxC.dtype
     fitted = plan(codec, r, m, dtype, row)
     if fitted is None:
-        return _raw(op, codec, m, lax.axis_size(axes), dtype, send, x_RxM, row=row)
-    return decode(fitted, _send(encode(fitted, x_RxM, key, row), send), rows_out, m, dtype, row)
+        return _raw(op, codec, m, lax.axis_size(axes), dtype, send, x_RxC, row=row)
+    return decode(fitted, _send(encode(fitted, x_RxC, key, row), send), rows_out, m, dtype, row)
 
 
-def gather(x_1xM, axes, codec, key, to, row=None):
-    """Every device's row -> GxM of x's dtype; invariant over `axes` if to="invarying"."""
-    return _moved("all_gather", x_1xM, axes, codec, key,
+def gather(x_1xC, axes, codec, key, to, row=None):
+    """Every device's row -> GxC of x's dtype; invariant over `axes` if to="invarying"."""
+    return _moved("all_gather", x_1xC, axes, codec, key,
                   lambda a: lax.all_gather(a, axes, axis=0, tiled=True, to=to),
                   lax.axis_size(axes), row)
 
 
-def permute(x_1xM, axes, codec, key, perm, row=None):
-    return _moved("ppermute", x_1xM, axes, codec, key, lambda a: lax.ppermute(a, axes, perm), 1,
+def permute(x_1xC, axes, codec, key, perm, row=None):
+    return _moved("ppermute", x_1xC, axes, codec, key, lambda a: lax.ppermute(a, axes, perm), 1,
                   row)
 
 
-def exchange(x_GxM, axes, codec, key, row=None):
-    return _moved("all_to_all", x_GxM, axes, codec, key,
-                  lambda a: lax.all_to_all(a, axes, 0, 0, tiled=True), x_GxM.shape[0], row)
+def exchange(x_GxC, axes, codec, key, row=None):
+    return _moved("all_to_all", x_GxC, axes, codec, key,
+                  lambda a: lax.all_to_all(a, axes, 0, 0, tiled=True), x_GxC.shape[0], row)

@@ -1,0 +1,119 @@
+"""The jitted train and eval steps: one shard_map over the whole mesh.
+
+    train_step(state, batch) -> (state, metrics)
+    state = {"params": working params (param_specs), "zero": ZeRO state
+             (optimizer.state_specs), "skipped": int32 count of dropped updates}
+
+Inside the step: loss and local gradients (`parallel.local_value_and_grad`),
+then the ZeRO update (`optimizer.apply_updates`), which reduces gradients over
+'data' and gathers parameters with the plan's grad_reduce and param_gather.
+A non-finite loss or gradient norm drops the whole update (state unchanged,
+`skipped` + 1); the loop decides whether to go on or stop.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jcomp import collectives as cc
+from jcomp.gpt import optimizer, parallel
+
+DATA = parallel.DATA
+
+
+def state_specs(param_specs, tx, pol):
+    return {"params": param_specs, "zero": optimizer.state_specs(param_specs, tx, pol),
+            "skipped": P()}
+
+
+def init_state(params, mesh, tx, pol):
+    """Train state from global float32 params (placed on the mesh here)."""
+    specs = parallel.param_specs(params)
+    placed = parallel.shard_params(params, mesh)
+    return {"params": placed, "zero": optimizer.init_state(placed, specs, mesh, tx, pol),
+            "skipped": jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))}
+
+
+def abstract_state(params_shapes, mesh, tx, pol):
+    """ShapeDtypeStructs with shardings of the train state (checkpoint restore target)."""
+    specs = parallel.param_specs(params_shapes)
+    sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
+    return {"params": jax.tree.map(sds, params_shapes, specs),
+            "zero": optimizer.abstract_state(params_shapes, specs, mesh, tx, pol),
+            "skipped": sds(jax.ShapeDtypeStruct((), jnp.int32), P())}
+
+
+def _metric_specs(pol):
+    names = ["loss", "grad_norm", "finite"] + (
+        ["ef_norm"] if optimizer.uses_error_feedback(pol) else [])
+    return {n: P() for n in names}
+
+
+def _draws_randomness(plan) -> bool:
+    """Whether the optimizer's messages (gradient reduction, parameter gather) need a key."""
+    return any(m.codec.needs_key for m in (plan.grad_reduce, plan.param_gather))
+
+
+def make_train_step(model_cfg, mesh, pol, plan, tx, params_shapes, *, microbatches, zero_stage,
+                    clip_norm, remat=False, seed=0, bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
+    """A jitted fn(state, batch [B, L+1] int32) -> (state, metrics).
+
+    `pol` lays out the state; `plan` (jcomp.gpt.messages.plan, of `pol` or of a
+    phase of a `jcomp.gpt.schedule` on `pol`'s layout) says what every collective
+    sends. Codecs that draw random numbers (stochastic rounding, rand-k) in the
+    gradient reduction or the parameter gather get the key fold_in(key(seed),
+    optimizer step), folded with each device's index by the collectives: a pure
+    function of the state, so a resumed run draws what the uninterrupted one
+    would. `bucket_bytes` bounds the flat buffers those two send.
+    """
+    specs = parallel.param_specs(params_shapes)
+    sspecs = state_specs(specs, tx, pol)
+    keyed = _draws_randomness(plan)
+
+    def body(state, batch):
+        params = state["params"]
+        loss, grads = parallel.local_value_and_grad(params, batch, model_cfg, plan,
+                                                    microbatches, remat)
+        count = optimizer.step_count(state["zero"]) if keyed else None
+        new_params, new_zero, stats = optimizer.apply_updates(
+            grads, params, state["zero"], tx=tx, policy=pol, param_specs=specs,
+            stage=zero_stage, clip_norm=clip_norm, grad_codec=plan.grad_reduce.codec,
+            param_codec=plan.param_gather.codec, step=count,
+            key=jax.random.key(seed) if keyed else None, bucket_bytes=bucket_bytes)
+        loss = lax.pmean(loss, DATA)
+        finite = jnp.isfinite(loss) & jnp.isfinite(stats["grad_norm"])
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        new_state = {"params": keep(new_params, params), "zero": keep(new_zero, state["zero"]),
+                     "skipped": state["skipped"] + (~finite).astype(jnp.int32)}
+        metrics = {"loss": loss, "grad_norm": stats["grad_norm"], "finite": finite}
+        if "ef_norm" in stats:
+            metrics["ef_norm"] = stats["ef_norm"]
+        return new_state, metrics
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(sspecs, parallel.BATCH_SPEC),
+                       out_specs=(sspecs, _metric_specs(pol)), check_vma=True)
+    return jax.jit(fn, donate_argnums=0)
+
+
+def make_eval_step(model_cfg, mesh, plan, params_shapes, *, microbatches):
+    """A jitted fn(params, batch) -> mean loss over the batch, sending the
+    forward messages of `plan` (the same compression as training)."""
+    specs = parallel.param_specs(params_shapes)
+
+    def body(params, batch):
+        return lax.pmean(parallel.local_loss(params, batch, model_cfg, plan, microbatches), DATA)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, parallel.BATCH_SPEC),
+                                 out_specs=P(), check_vma=True))
+
+
+def device_bytes(tree) -> int:
+    """Bytes this tree occupies on the first local device (measured from the arrays)."""
+    dev = jax.local_devices()[0]
+    total = 0
+    for x in jax.tree.leaves(tree):
+        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == dev)
+    return total

@@ -1,0 +1,230 @@
+"""The training loop behind `train.py`.
+
+    train_and_evaluate(config, workdir, stop=None, hooks=None)
+
+A run is: the config checked into a `RunSpec` (`jcomp.train.runspec.validate`);
+the workdir checked and locked; the data loaded; the state restored from the
+newest usable checkpoint or initialised (`jcomp.train.resume`); then per step a
+batch, the step compiled for its compression phase and kept
+(`jcomp.train.stepcache`), its metrics record (`jcomp.train.record`), and a
+checkpoint every checkpoint.every steps. The caller's hooks (`jcomp.train.hooks`)
+run before each batch, after each step and during each save.
+
+Bad configuration and bad input raise `UsageError` (a ValueError) before any
+file in the workdir is touched; `train.py` turns it into one line on stderr
+and exit code 2. A write that fails mid-run (disk full) raises `WriteError`
+naming the step that is safe to resume from. One trainer at a time: the
+workdir is locked (`jcomp.train.faults.WorkdirLock`) before anything in it is read
+for resuming or written.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jcomp.train import checkpoint, cluster, data, faults, resume, record as steprecord
+from jcomp.train import hooks as hooks_lib
+from jcomp.gpt import mesh as mesh_lib
+from jcomp.train import metrics as metrics_lib
+from jcomp.gpt import schedule as schedule_lib
+from jcomp.train.runspec import RunSpec, validate
+from jcomp.train.stepcache import StepCache, global_batch
+
+__all__ = ["train_and_evaluate", "validate", "load_data", "RunSpec", "UsageError",
+           "WriteError", "NonFiniteError"]
+_log = logging.getLogger(__name__)
+
+
+UsageError = faults.UsageError  # a configuration or input the user must fix
+WriteError = faults.WriteError  # a write failed mid-run (disk full, I/O error)
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped on a non-finite loss or gradient (train.nonfinite="stop")."""
+
+
+def load_data(run: RunSpec):
+    """-> (corpus, training Dataset, this process's validation batches)."""
+    d, vocab = run.data, run.model.vocab_size
+    try:
+        corpus = data.load(d.source, val_permille=d.val_permille, tokenizer=d.tokenizer,
+                           token_dtype=d.token_dtype, vocab_size=vocab if d.tokens else None)
+        if corpus.vocab_size > vocab:
+            raise ValueError(f"the tokenizer has {corpus.vocab_size} tokens but "
+                             f"model.vocab_size={vocab}")
+        train = data.Dataset(corpus.train, d.seq_len, run.train.batch_size, seed=run.seed,
+                             vocab_size=vocab)
+        val = data.val_batches(corpus.val, d.seq_len, run.train.batch_size, d.eval_batches,
+                               jax.process_index(), jax.process_count(),
+                               vocab_size=vocab) if len(corpus.val) else []
+    except (OSError, ValueError, ImportError) as e:
+        raise UsageError(f"data.source={d.source!r}: {e}") from None
+    return corpus, train, val
+
+
+def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None,
+                       hooks: hooks_lib.Hooks | None = None) -> dict:
+    """Trains per `cfg`, resuming from `workdir` when it holds checkpoints.
+    Returns the last logged metrics ({} when stopped before the first step).
+    `stop`: signal handling installed by the caller (otherwise installed here).
+    `hooks`: a `jcomp.train.hooks.Hooks` the loop calls at its defined points."""
+    own_stop = stop is None
+    stop = faults.StopFlag().install() if own_stop else stop
+    locks = []  # the workdir lock once taken, released however the run ends
+    created = not os.path.exists(workdir)
+    try:
+        last = _train(cfg, workdir, stop, hooks or hooks_lib.Hooks(), locks)
+    except checkpoint.SaveError as e:
+        where = f"saving the checkpoint of step {e.step} to {e.directory}"
+        raise faults.write_failed(where, e.last_complete, e.reason, e.disk_full) from None
+    finally:
+        for lock in filter(None, locks):
+            lock.release()
+        if own_stop:
+            stop.uninstall()
+    if created and not last and stop.requested and jax.process_index() == 0:
+        faults.remove_empty_workdir(workdir)  # stopped before its first step: nothing written
+    return last
+
+
+def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, locks: list) -> dict:
+    run = validate(cfg, len(jax.devices()))
+    faults.check_workdir(workdir)
+    tx = run.optim.tx(run.train.steps)
+    _, train_ds, val = load_data(run)
+    mesh = mesh_lib.make_mesh(run.mesh_shape)
+    make_params = resume.init_params(run)
+    shapes = jax.eval_shape(make_params)
+
+    locks.append(faults.lock_workdir(workdir))
+    if jax.process_count() > 1 and cluster.supervised():
+        cluster.divert_stderr(workdir, jax.process_index())
+    ckpt = resume.open_checkpoints(run, workdir)
+    start = resume.restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds)
+    state, streak = start.state, start.streak
+    steps = StepCache(run, mesh, start.tx, shapes)
+
+    def stopped_before_any_step(i):
+        # A signal during setup or the first compile: nothing new exists to save.
+        # Alone only: processes of a cluster agree on a step to stop at, below.
+        if i == start.step and stop.requested and jax.process_count() == 1:
+            _log.warning("stop requested before the first step: nothing saved")
+            return True
+        return False
+
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    try:
+        writer = (metrics_lib.MetricsWriter(metrics_path, tensorboard=True)
+                  if jax.process_index() == 0 else None)
+    except OSError as e:
+        raise faults.write_failed(f"opening {metrics_path}", ckpt.latest_step(), e.strerror,
+                                  e.errno == errno.ENOSPC) from None
+    profiler = metrics_lib.StepProfiler(
+        run.train.profile_steps, os.path.join(workdir, "profile", f"process{jax.process_index()}"))
+    t = run.train
+    tokens_per_step = t.batch_size * run.data.seq_len
+    lr_at = run.optim.schedule(start.schedule_steps)
+    logged_phase = None  # the phase whose static metrics were last logged
+    last = {}
+    with metrics_lib.Progress(t.steps, start.step) as bar, _finishing(ckpt, writer), profiler:
+        for i in range(start.step, t.steps):
+            done = i + 1
+            ckpt.poll()  # a failed background save stops the run here
+            rows = train_ds.local_batch(i, jax.process_index(), jax.process_count())
+            rows = hooks.before_batch(done, rows, run.model.vocab_size)
+            batch = global_batch(mesh, rows, t.batch_size)
+            phase = schedule_lib.phase_at(run.phases, i)
+            if stopped_before_any_step(i):
+                break
+            exe, report = steps.train(phase, state, batch)
+            if stopped_before_any_step(i):
+                break
+            profiler.step_starting(done)
+            t0 = time.perf_counter()
+            state, m = exe(state, batch)
+            # Waiting on every step also keeps emulated CPU devices from deadlocking.
+            loss = float(m["loss"])
+            dt = time.perf_counter() - t0
+            profiler.step_done(done)
+            streak = 0 if bool(m["finite"]) else streak + 1
+            if streak:
+                _nonfinite(t, done, loss, streak, ckpt)
+            record = steprecord.step_record(done, m, loss, dt, lr_at(i), tokens_per_step, phase,
+                                            int(state["skipped"]))
+            if "ef_norm" in record and 0 < t.ef_reset_norm < record["ef_norm"]:
+                state = _reset_ef(state)
+                record["ef_reset"] = True
+                _log.warning("step %d: error-feedback residual norm %.4g exceeds "
+                             "train.ef_reset_norm=%g: residuals reset to zero",
+                             done, record["ef_norm"], t.ef_reset_norm)
+            if logged_phase != phase:
+                record.update(steprecord.phase_record(phase, run.plan(phase), logged_phase, report,
+                                                       state))
+                if "compression_changes" in record:
+                    _log.info("step %d: compression schedule: %s", done,
+                              record["compression_changes"])
+                logged_phase = phase
+            if val and (done % t.eval_every == 0 or done == t.steps):
+                record["val_loss"] = steps.val_loss(None, state["params"], val)
+                if steps.forward_compressed(phase):
+                    record["val_loss_compressed"] = steps.val_loss(phase, state["params"], val)
+            if writer and steprecord.due(record, done, t.log_every, t.steps):
+                try:
+                    faults.append_record(writer, record)
+                except OSError as e:
+                    raise faults.write_failed(f"writing {metrics_path} at step {done}",
+                                              ckpt.latest_step(), e.strerror,
+                                              e.errno == errno.ENOSPC) from None
+            bar.update(done, loss=loss, tokens_per_s=record["tokens_per_s"])
+            last = record
+            hooks.after_step(done, record)
+            stopping = stop.agreed(done)
+            meta = resume.checkpoint_meta(run, train_ds, done, start.schedule_steps, streak)
+            if ckpt.maybe_save(done, state, meta, force=stopping or done == t.steps):
+                hooks.during_save(done, os.fspath(ckpt.directory), stop)
+            if stopping:
+                _log.warning("stop requested: saved step %d", done)
+                break
+    return last
+
+
+def _nonfinite(t, done: int, loss: float, streak: int, ckpt):
+    """Step `done` gave a non-finite loss or gradient norm, the `streak`-th in a
+    row: NonFiniteError when train.nonfinite or its limit says stop, else a warning."""
+    msg = f"non-finite loss or gradient norm at step {done} (loss={loss})"
+    if t.nonfinite == "stop":
+        raise NonFiniteError(msg)
+    if streak >= t.nonfinite_limit:
+        raise NonFiniteError(
+            f"{msg}: {streak} updates in a row skipped (steps "
+            f"{done - streak + 1}-{done}), train.nonfinite_limit={t.nonfinite_limit}; "
+            f"the last checkpoint is step {ckpt.latest_step()}")
+    _log.warning("%s: update skipped", msg)
+
+
+def _reset_ef(state):
+    """The state with its error-feedback residuals zeroed (shardings kept)."""
+    zero = dict(state["zero"])
+    zero["ef"] = jax.tree.map(jnp.zeros_like, zero["ef"])
+    return {**state, "zero": zero}
+
+
+@contextlib.contextmanager
+def _finishing(ckpt, writer):
+    """However the loop ends (done, stopped, an error), the save in flight is
+    completed and the files are closed, so the last checkpoint stays usable."""
+    try:
+        yield
+    finally:
+        try:
+            ckpt.wait()
+            ckpt.close()
+        finally:
+            if writer:
+                writer.close()

@@ -1,0 +1,153 @@
+"""Where a run starts: the newest usable checkpoint in the workdir, or step 0.
+
+    ckpt = open_checkpoints(run, workdir)   # holding the workdir lock
+    start = restore_or_init(run, ckpt, mesh, tx, shapes, init_params, train_ds)
+    state, first_step = start.state, start.step
+    ckpt.maybe_save(n, state, checkpoint_meta(run, train_ds, n, start.schedule_steps, streak))
+
+A checkpoint is restored only if it was written for this run: the same
+`RunSpec.fingerprint` (model, mesh, ZeRO stage, policy, error feedback) and
+the same data position (seed, sequence length, global batch, training data).
+Otherwise the run is refused with one `UsageError` listing every difference,
+before anything in the workdir is moved. Damaged steps are reported and set
+aside to `checkpoints_unusable/`; the learning-rate schedule and the count of
+non-finite steps in a row continue from the checkpoint's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from typing import Any
+
+import jax
+
+from jcomp.gpt import autoencoder, step
+
+from jcomp.train import checkpoint, quiet
+from jcomp.gpt import model as gpt
+from jcomp.train.faults import UsageError
+
+_log = logging.getLogger(__name__)
+
+# What the data position saved in a checkpoint must match, and the config field
+# that decides each (`data.Dataset.state`).
+_DATA_FIELDS = {"seed": "seed", "seq_len": "data.seq_len", "global_batch": "train.batch_size"}
+
+
+@dataclasses.dataclass
+class Start:
+    """The state the loop starts from, at `step` (0 for a fresh run)."""
+
+    state: Any
+    step: int
+    schedule_steps: int  # the length the learning-rate schedule was laid out for
+    streak: int          # non-finite steps in a row up to `step`
+    tx: Any              # the optimizer, its schedule `schedule_steps` long
+
+
+def init_params(run):
+    """-> a function making the initial parameters of `run` (seed `run.seed`)."""
+    return functools.partial(gpt.init_params, run.model, jax.random.key(run.seed),
+                             coders=autoencoder.coders(run.policy))
+
+
+def data_mismatches(train_ds):
+    """check_meta for `Checkpointer.restore`: a resumed run must see the batches
+    the checkpoint's run would have seen next."""
+    mine = train_ds.state(0)
+
+    def check(meta):
+        saved = meta.get("data") if isinstance(meta, dict) else None
+        if not isinstance(saved, dict):
+            return ["it records no data position"]
+        out = [f"it was written for {field}={saved.get(key)!r}, this run has {field}={mine[key]!r}"
+               for key, field in _DATA_FIELDS.items() if saved.get(key) != mine[key]]
+        if saved.get("fingerprint") != mine["fingerprint"]:
+            out.append("it was written for other training data (data.source, data.tokenizer "
+                       "or data.val_permille differ)")
+        return out
+    return check
+
+
+def checkpoint_meta(run, train_ds, step_no: int, schedule_steps: int, streak: int) -> dict:
+    """What a checkpoint of step `step_no` records beside the state."""
+    return {"data": train_ds.state(step_no), "step": step_no, "fingerprint": run.fingerprint(),
+            "schedule_steps": schedule_steps, "nonfinite_streak": streak,
+            "optim": dataclasses.asdict(run.optim)}
+
+
+def optim_changes(run, meta) -> list[str]:
+    """The optim.* fields this run sets otherwise than the checkpoint's run did,
+    as "optim.lr=0.001 (checkpoint: 0.003)"; a resume may change them."""
+    saved = meta.get("optim") if isinstance(meta, dict) else None
+    if not isinstance(saved, dict):
+        return []
+    mine = dataclasses.asdict(run.optim)
+    return [f"optim.{k}={mine[k]!r} (checkpoint: {saved[k]!r})" for k in mine
+            if k in saved and saved[k] != mine[k]]
+
+
+def open_checkpoints(run, workdir) -> checkpoint.Checkpointer:
+    """WORKDIR/checkpoints, cleared of saves a stopped run left unfinished.
+    UsageError if it cannot be created or holds a step past train.steps."""
+    ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+    try:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        ckpt = checkpoint.Checkpointer(ckpt_dir, save_every=run.checkpoint_every,
+                                       keep=run.checkpoint_keep)
+    except OSError as e:
+        raise UsageError(f"checkpoint directory {ckpt_dir} cannot be created: "
+                         f"{e.strerror or e}") from None
+    if jax.process_index() == 0:
+        for path in ckpt.remove_unfinished():
+            _log.warning("removed %s: a save that never finished (the run writing it was "
+                         "stopped mid-save)", path)
+    newest = ckpt.latest_step()
+    if newest is not None and run.train.steps < newest:
+        ckpt.close()
+        raise UsageError(f"train.steps={run.train.steps} is below step {newest} of the newest "
+                         f"checkpoint in {ckpt_dir}; allowed: >= {newest} (or another --workdir)")
+    return ckpt
+
+
+def restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds) -> Start:
+    """The newest usable checkpoint of `ckpt` restored onto `mesh` (and `train_ds`
+    moved to its position), or `make_params()` laid out as a fresh state."""
+    restored = None
+    try:
+        with quiet.restoring_quietly(logging.getLogger(checkpoint.__name__), ckpt):
+            restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, run.policy),
+                                    expect_meta={"fingerprint": run.fingerprint()},
+                                    check_meta=data_mismatches(train_ds))
+    except checkpoint.CheckpointError as e:  # it lists every step it skipped
+        ckpt.close()
+        hint = "" if e.failures else "; rerun with the values it was written for, or " \
+            "pass another --workdir"
+        raise UsageError(f"checkpoint: {e}{hint}") from None
+    for path, reason in ckpt.skipped:
+        # Set aside rather than left in place, where it would block saving
+        # its step again and outlive good checkpoints in keep's count.
+        moved = ckpt.set_aside(int(os.path.basename(path)))
+        _log.warning("checkpoint %s cannot be used: %s; moved to %s", path, reason, moved)
+    if restored is None:
+        return Start(step.init_state(make_params(), mesh, tx, run.policy), 0, run.train.steps,
+                     0, tx)
+    # The learning-rate schedule is the first run's: a resumed run keeps its length
+    # whatever train.steps says now (steps past it run at the final rate).
+    state, meta, start = restored
+    train_ds.restore(meta["data"])
+    schedule_steps = int(meta.get("schedule_steps", run.train.steps))
+    streak = int(meta.get("nonfinite_streak", 0))
+    _log.info("resumed from %s at step %d", ckpt.step_path(start), start)
+    changed = optim_changes(run, meta)
+    if changed:
+        _log.warning("resuming with optimizer settings that differ from the checkpoint's: %s",
+                     ", ".join(changed))
+    if schedule_steps != run.train.steps:
+        _log.warning("train.steps=%d differs from the %d steps the learning-rate schedule "
+                     "was laid out for; it keeps that length (constant after step %d)",
+                     run.train.steps, schedule_steps, schedule_steps)
+        tx = run.optim.tx(schedule_steps)
+    return Start(state, start, schedule_steps, streak, tx)

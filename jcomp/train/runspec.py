@@ -1,0 +1,340 @@
+"""What a run is: the config checked once, before anything runs, into a
+frozen `RunSpec` that the training loop reads everything from.
+
+    run = validate(cfg, n_devices)    # UsageError naming the field, or a RunSpec
+    run.model, run.mesh_shape, run.phases, run.policy, run.optim.tx(total_steps)
+
+Bad configuration raises `UsageError` (a ValueError) naming the field and what
+is allowed; nothing here reads or writes the workdir, so a refused run leaves
+it as it was. The compression schedule is parsed here, once: `run.phases` is
+[(first step, policy in force)] from step 0, and `run.policy`, its last entry,
+lays out the train state.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jcomp.gpt import autoencoder, messages, optimizer, parallel
+
+from jcomp.train import faults
+from jcomp.gpt import mesh as mesh_lib
+from jcomp.train import metrics as metrics_lib
+from jcomp.gpt import model as gpt
+from jcomp.gpt import policy as policy_lib
+from jcomp.gpt import schedule as schedule_lib
+
+UsageError = faults.UsageError  # a configuration or input the user must fix
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSettings:
+    """config.optim: the optimizer and its learning-rate schedule."""
+
+    name: str
+    lr: float
+    warmup_steps: int
+    min_lr_ratio: float
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    clip_norm: float
+    zero_stage: int
+
+    def tx(self, total_steps: int):
+        """AdamW (or SGD) whose schedule spans `total_steps`."""
+        try:
+            return optimizer.make_tx(name=self.name, lr=self.lr, warmup_steps=self.warmup_steps,
+                                     total_steps=total_steps, min_lr_ratio=self.min_lr_ratio,
+                                     b1=self.b1, b2=self.b2, eps=self.eps,
+                                     weight_decay=self.weight_decay,
+                                     decay_mask=optimizer.decay_mask)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"optim: {e}") from None
+
+    def schedule(self, total_steps: int):
+        """step -> learning rate, as `tx(total_steps)` applies it."""
+        return optimizer.make_schedule(lr=self.lr, warmup_steps=self.warmup_steps,
+                                       total_steps=total_steps, min_lr_ratio=self.min_lr_ratio)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """config.train; `profile_steps` parsed to (first, last) or None."""
+
+    steps: int
+    batch_size: int
+    microbatches: int
+    remat: bool
+    log_every: int
+    eval_every: int
+    nonfinite: str
+    nonfinite_limit: int
+    ef_reset_norm: float
+    profile_steps: tuple | None
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """config.data, with the fields that do not apply to the source emptied."""
+
+    source: str
+    tokens: bool               # a 'tokens:' source: token files, no tokenizer
+    tokenizer: str | None      # None for a 'tokens:' source
+    token_dtype: str | None    # None for text
+    val_permille: int
+    seq_len: int
+    eval_batches: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Everything the training loop needs to know about a run, checked."""
+
+    model: gpt.ModelConfig
+    mesh_shape: tuple          # sizes along mesh_lib.AXES
+    phases: tuple              # ((first step, Policy), ...) from step 0
+    plans: tuple               # the messages.Plan of each phase, in phase order
+    optim: OptimSettings
+    train: TrainSettings
+    data: DataSettings
+    checkpoint_every: int
+    checkpoint_keep: int
+    seed: int
+    bucket_bytes: int          # the optimizer's flat buffers, at least 1 byte
+
+    def plan(self, phase) -> messages.Plan:
+        """What the train step sends in `phase` (one of `phases`' policies)."""
+        return self.plans[[p for _, p in self.phases].index(phase)]
+
+    @property
+    def policy(self) -> policy_lib.Policy:
+        """The last phase's policy: the one the train state is laid out for."""
+        return self.phases[-1][1]
+
+    def step_options(self) -> dict:
+        """Keyword arguments of `step.make_train_step` besides the phase."""
+        return dict(microbatches=self.train.microbatches, zero_stage=self.optim.zero_stage,
+                    clip_norm=float(self.optim.clip_norm), remat=self.train.remat,
+                    seed=self.seed, bucket_bytes=self.bucket_bytes)
+
+    def fingerprint(self) -> dict:
+        """What a checkpoint must have been written for to be restored into this run."""
+        return {"model": dataclasses.asdict(self.model), "mesh": list(self.mesh_shape),
+                "zero_stage": int(self.optim.zero_stage), "policy": self.policy.as_dict(),
+                "error_feedback": bool(optimizer.uses_error_feedback(self.policy))}
+
+
+# ------------------------------------------------------------------ checks
+
+def _positive(cfg, name, *, zero_ok=False, integer=True):
+    value = cfg
+    for part in name.split("."):
+        value = value[part]
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise UsageError(f"{name} must be {'an integer' if integer else 'a number'}; got {value!r}")
+    if not np.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise UsageError(f"{name} must be {'>= 0' if zero_ok else '> 0'}; got {value}")
+    return value
+
+
+def build_policy(comp) -> policy_lib.Policy:
+    """config.compression -> Policy (ValueError naming the field on bad input)."""
+    if comp.policy not in policy_lib.PRESETS:
+        raise UsageError(f"compression.policy={comp.policy!r} is not one of "
+                         f"{', '.join(policy_lib.PRESETS)}")
+    if comp.error_feedback not in ("auto", "on", "off"):
+        raise UsageError(f"compression.error_feedback={comp.error_feedback!r}; "
+                         "allowed: auto, on, off")
+    overrides = {}
+    for axis, kind in policy_lib.MESSAGES:
+        spec = comp[axis][kind]
+        if spec:
+            try:
+                policy_lib.preset("baseline").replace({f"{axis}.{kind}": spec})
+            except (TypeError, ValueError) as e:
+                raise UsageError(f"compression.{axis}.{kind}: {e}") from None
+            overrides[f"{axis}.{kind}"] = spec
+    ef = {"auto": None, "on": True, "off": False}[comp.error_feedback]
+    try:
+        pol = policy_lib.build(comp.policy, overrides, ef)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"compression: {e}") from None
+    for (axis, kind), place in policy_lib.PLACES.items():
+        try:
+            pol = pol.restrict({f"{axis}.{kind}": comp[place][axis][kind]})
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"compression.{place}.{axis}.{kind}: {e}") from None
+    return pol
+
+
+def build_phases(comp) -> list:
+    """config.compression -> [(first step, policy in force)] from step 0 (see
+    `jcomp.gpt.schedule`); the last one lays out the train state."""
+    base = build_policy(comp)
+    specs = {f"{a}.{k}": comp.schedule[a][k] for a, k in policy_lib.MESSAGES}
+    try:
+        sched = schedule_lib.parse(specs, base=base, warmup_steps=comp.warmup_steps,
+                                   prefix="compression.")
+        return schedule_lib.phases(base, sched)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def _model_config(cfg) -> gpt.ModelConfig:
+    try:
+        return gpt.ModelConfig(**cfg.model.to_dict())
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e).replace("ModelConfig.", "model.")) from None
+
+
+MAX_SEED = 2**63 - 1
+
+
+def validate(cfg, n_devices: int) -> RunSpec:
+    """Checks the whole config before anything runs -> the RunSpec of the run."""
+    model_cfg = _model_config(cfg)
+    try:
+        shape = mesh_lib.resolve_shape(cfg.mesh.to_dict(), n_devices)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"mesh: {e}") from None
+    mesh_shape = dict(zip(mesh_lib.AXES, shape))
+    for name in ("train.steps", "train.batch_size", "train.microbatches", "train.log_every",
+                 "train.eval_every", "train.nonfinite_limit", "data.seq_len",
+                 "data.eval_batches", "checkpoint.every", "checkpoint.keep"):
+        _positive(cfg, name)
+    for name in ("optim.warmup_steps", "compression.warmup_steps", "data.val_permille", "seed"):
+        _positive(cfg, name, zero_ok=True)
+    if cfg.seed > MAX_SEED:  # jax.random.key takes a signed 64-bit seed
+        raise UsageError(f"seed must be <= {MAX_SEED} (2**63 - 1); got {cfg.seed}")
+    for name in ("optim.lr", "compression.bucket_mib"):
+        _positive(cfg, name, integer=False)
+    for name in ("optim.weight_decay", "optim.clip_norm", "optim.min_lr_ratio",
+                 "train.ef_reset_norm"):
+        _positive(cfg, name, zero_ok=True, integer=False)
+    if cfg.optim.name not in optimizer.OPTIMIZERS:
+        raise UsageError(f"optim.name={cfg.optim.name!r}; allowed: {', '.join(optimizer.OPTIMIZERS)}")
+    if cfg.optim.zero_stage not in (1, 2):
+        raise UsageError(f"optim.zero_stage={cfg.optim.zero_stage!r}; allowed: 1, 2")
+    if cfg.train.nonfinite not in ("skip", "stop"):
+        raise UsageError(f"train.nonfinite={cfg.train.nonfinite!r}; allowed: skip, stop")
+    try:
+        profile_steps = metrics_lib.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if cfg.data.seq_len > model_cfg.max_seq_len:
+        raise UsageError(f"data.seq_len={cfg.data.seq_len} exceeds "
+                         f"model.max_seq_len={model_cfg.max_seq_len}")
+    try:
+        parallel.check_layout(model_cfg, mesh_shape, cfg.train.batch_size, cfg.train.microbatches)
+    except ValueError as e:
+        raise UsageError(str(e).replace("batch_size", "train.batch_size")
+                         .replace("microbatches=", "train.microbatches=")) from None
+    if cfg.train.batch_size % jax.process_count():
+        raise UsageError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
+                         f"{jax.process_count()} processes")
+    _check_data_fields(cfg.data)
+    phases = build_phases(cfg.compression)
+    _check_randomness(phases)
+    pol = phases[-1][1]
+    _check_compression_reaches_the_run(cfg, phases)
+    try:
+        optimizer.check_stage(pol, cfg.optim.zero_stage)
+    except ValueError as e:
+        raise UsageError(f"compression.data.grad: {e}") from None
+    try:
+        ae = autoencoder.dims(pol)
+    except ValueError as e:
+        raise UsageError(f"compression.tensor: {e}") from None
+    for kind, dim in (("act", ae["out_dim"]), ("act_grad", ae["in_dim"])):
+        if dim > model_cfg.d_model:
+            raise UsageError(f"compression.tensor.{kind}: ae dim={dim} exceeds "
+                             f"model.d_model={model_cfg.d_model}")
+    try:
+        pol.check_places(model_cfg.n_layers, mesh_shape[mesh_lib.AXES[2]])
+    except ValueError as e:
+        raise UsageError(f"compression.{e}") from None
+    plans = tuple(messages.plan(p, model_cfg.n_layers, mesh_shape) for _, p in phases)
+    return RunSpec(model=model_cfg, mesh_shape=tuple(shape), phases=tuple(phases), plans=plans,
+                   optim=optim_settings(cfg.optim), train=_train_settings(cfg.train, profile_steps),
+                   data=_data_settings(cfg.data), checkpoint_every=cfg.checkpoint.every,
+                   checkpoint_keep=cfg.checkpoint.keep, seed=cfg.seed,
+                   bucket_bytes=max(int(cfg.compression.bucket_mib * 2**20), 1))
+
+
+def optim_settings(o) -> OptimSettings:
+    return OptimSettings(name=o.name, lr=o.lr, warmup_steps=o.warmup_steps,
+                         min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, eps=o.eps,
+                         weight_decay=o.weight_decay, clip_norm=o.clip_norm,
+                         zero_stage=o.zero_stage)
+
+
+def _train_settings(t, profile_steps) -> TrainSettings:
+    return TrainSettings(steps=t.steps, batch_size=t.batch_size, microbatches=t.microbatches,
+                         remat=t.remat, log_every=t.log_every, eval_every=t.eval_every,
+                         nonfinite=t.nonfinite, nonfinite_limit=t.nonfinite_limit,
+                         ef_reset_norm=t.ef_reset_norm, profile_steps=profile_steps)
+
+
+def _data_settings(d) -> DataSettings:
+    tokens = isinstance(d.source, str) and d.source.startswith("tokens:")
+    return DataSettings(source=d.source, tokens=tokens, tokenizer=(d.tokenizer or None) if not tokens else None,
+                        token_dtype=(d.token_dtype or None) if tokens else None,
+                        val_permille=d.val_permille, seq_len=d.seq_len,
+                        eval_batches=d.eval_batches)
+
+
+def _check_randomness(phases):
+    """Codecs that draw random numbers get a per-step key only where the optimizer
+    sends (data.grad, data.param); inside the model they would have none."""
+    keyed = (("data", "grad"), ("data", "param"))
+    for _, pol in phases:
+        for axis, kind in policy_lib.MESSAGES:
+            spec = pol[axis, kind]
+            if (axis, kind) not in keyed and getattr(spec, "needs_key", False):
+                raise UsageError(
+                    f"compression.{axis}.{kind}={spec}: codecs that draw random numbers "
+                    "(stochastic rounding ':sr', randk) are supported at data.grad and "
+                    "data.param only; use a deterministic codec here (e.g. int8)")
+
+
+def _check_data_fields(d):
+    """An empty source is refused (an unset $CORPUS, say); fields that apply to one
+    kind of source only are refused for the other, instead of being ignored."""
+    if not isinstance(d.source, str) or d.source.strip() in ("", "text:", "tokens:"):
+        raise UsageError(f"data.source={d.source!r} names no corpus; allowed: 'kjv', a text "
+                         "file, directory or glob, or 'tokens:TRAIN[,VAL]'")
+    tokens = isinstance(d.source, str) and d.source.startswith("tokens:")
+    if tokens and d.tokenizer:
+        raise UsageError(f"data.tokenizer={d.tokenizer!r} does not apply to data.source="
+                         f"{d.source!r}: token files hold token ids already; pass "
+                         "--config.data.tokenizer='' (and data.token_dtype)")
+    if not tokens and d.token_dtype:
+        raise UsageError(f"data.token_dtype={d.token_dtype!r} applies only to a 'tokens:' "
+                         f"source; data.source={d.source!r} is text: pass "
+                         "--config.data.token_dtype=''")
+
+
+def _check_compression_reaches_the_run(cfg, phases):
+    """A compression setting no step of the run would use is refused: error
+    feedback with nothing lossy to feed back, or a warm-up or schedule whose
+    compressed phases all start at or after train.steps."""
+    comp, steps, final = cfg.compression, cfg.train.steps, phases[-1][1]
+    if comp.error_feedback == "on" and not optimizer.uses_error_feedback(final):
+        raise UsageError(
+            "compression.error_feedback='on' has nothing to feed back: compression.data.grad "
+            f"is {optimizer.grad_codec(final)} (lossless); error feedback corrects a lossy "
+            "data.grad codec: set one (e.g. int8), or error_feedback='auto' or 'off'")
+    starts = [s for s, pol in phases if schedule_lib.is_compressed(pol)]
+    if starts and min(starts) >= steps:
+        if comp.warmup_steps >= steps:
+            raise UsageError(f"compression.warmup_steps={comp.warmup_steps} is not below "
+                             f"train.steps={steps}: no step would be compressed; allowed: "
+                             f"0 to {steps - 1}")
+        raise UsageError(f"compression.schedule: the first compressed phase starts at step "
+                         f"{min(starts)}, not below train.steps={steps}: no step would be "
+                         "compressed")

@@ -1,0 +1,70 @@
+"""The compiled programs of a run, one per compression phase: the train step
+with what it sends (`jcomp.meter.wire`), and the eval step.
+
+    steps = StepCache(run, mesh, tx, shapes)
+    exe, report = steps.train(phase, state, batch)   # compiled when first reached
+    state, m = exe(state, batch)
+    val = steps.val_loss(None, state["params"], val_batches)   # the exact forward
+    val_c = steps.val_loss(phase, state["params"], val_batches)  # phase's forward codecs
+
+A phase the run never reaches costs nothing: each program is compiled the
+first time its phase comes up, then kept for the rest of the run.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jcomp.gpt import mesh as mesh_lib
+from jcomp.gpt import messages, parallel, policy, step
+from jcomp.meter import wire
+
+
+def global_batch(mesh, local_rows, global_rows: int):
+    """This process's rows int32 [B / processes, L + 1] as the global batch
+    [global_rows, L + 1], sharded over the mesh's data axis."""
+    sharding = NamedSharding(mesh, parallel.BATCH_SPEC)
+    local = np.asarray(local_rows, np.int32)
+    return jax.make_array_from_process_local_data(sharding, local, (global_rows,) + local.shape[1:])
+
+
+class StepCache:
+    """Train and eval programs by phase (a `jcomp.gpt.policy.Policy` from `run.phases`).
+    The train state is laid out for `run.policy`, whatever the phase."""
+
+    def __init__(self, run, mesh, tx, params_shapes):
+        self.run, self.mesh, self.tx, self.shapes = run, mesh, tx, params_shapes
+        self._train: dict = {}  # phase -> (compiled executable, wire.WireReport)
+        self._eval: dict = {}
+
+    def train(self, phase, state, batch):
+        """-> (executable: (state, batch) -> (state, metrics), its wire report)."""
+        if phase not in self._train:
+            fn = step.make_train_step(self.run.model, self.mesh, self.run.policy,
+                                      self.run.plan(phase), self.tx, self.shapes,
+                                      **self.run.step_options())
+            exe = fn.lower(state, batch).compile()
+            self._train[phase] = (exe, wire.measure_compiled(exe, self.mesh))
+        return self._train[phase]
+
+    def val_loss(self, phase, params, val_batches) -> float:
+        """Mean loss over the local validation batches, each made global, through the
+        forward messages of `phase`; phase None: the exact forward, every message
+        uncompressed (the model as it is used after training)."""
+        if phase not in self._eval:
+            plan = self.exact_plan() if phase is None else self.run.plan(phase)
+            self._eval[phase] = step.make_eval_step(self.run.model, self.mesh, plan, self.shapes,
+                                                    microbatches=self.run.train.microbatches)
+        rows = self.run.train.batch_size
+        return float(np.mean([float(self._eval[phase](params, global_batch(self.mesh, b, rows)))
+                              for b in val_batches]))
+
+    def exact_plan(self) -> messages.Plan:
+        return messages.plan(policy.preset("baseline"), self.run.model.n_layers,
+                             dict(zip(mesh_lib.AXES, self.run.mesh_shape)))
+
+    def forward_compressed(self, phase) -> bool:
+        """Whether `phase` codes a forward message: then its loss differs from the exact one."""
+        return any(m.compressed() and m.direction == "forward"
+                   for m in self.run.plan(phase).messages())

@@ -1,0 +1,83 @@
+"""jcomp.gpt.step: the train step's randomness (codecs that draw random numbers get a
+per-step, per-device key: deterministic runs that resume bit for bit) and its messages."""
+import os
+import shutil
+
+from tests.train.test_train import TINY, losses, run
+
+RANDOM = ["--config.compression.data.grad=randk:0.1", "--config.compression.error_feedback=on",
+          "--config.compression.data.param=int8:sr"]
+
+
+def test_random_codecs_train_and_resume_bitwise(tmp_path):
+    """randk:0.1 gradients (with feedback) and stochastically rounded int8 parameter
+    gathers: the run trains, and a resume from step 4 repeats steps 5..8 exactly."""
+    full = str(tmp_path / "full")
+    proc = run(full, *TINY, *RANDOM)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = losses(full)
+    assert sorted(got) == list(range(1, 9)) and got[8] < got[1], got
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(full, resumed)
+    shutil.rmtree(os.path.join(resumed, "checkpoints", "8"))
+    os.remove(os.path.join(resumed, "metrics.jsonl"))
+    proc = run(resumed, *TINY, *RANDOM)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = losses(resumed)
+    assert sorted(again) == [5, 6, 7, 8], "did not resume from step 4"
+    assert all(again[s] == got[s] for s in again), (again, got)
+
+
+def test_random_codec_inside_the_model_is_refused_before_the_workdir(tmp_path):
+    workdir = tmp_path / "never"
+    proc = run(str(workdir), *TINY, "--config.compression.tensor.act=int8:sr")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "compression.tensor.act" in lines[0] and "data.grad" in lines[0], \
+        proc.stderr
+    assert not workdir.exists()
+
+
+def _compiled_report(pol_name, **kw):
+    """WireReport of configs/tiny.py's train step on (2, 2, 2)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from configs import tiny
+    from jcomp.gpt import mesh as jmesh
+    from jcomp.gpt import model as gpt
+    from jcomp.gpt import messages, optimizer, parallel, step
+    from jcomp.meter import wire
+    from jcomp.gpt import policy as policy_lib
+
+    cfg = tiny.get_config()
+    model_cfg = gpt.ModelConfig(**cfg.model.to_dict())
+    mesh = jmesh.make_mesh((2, 2, 2))
+    pol = policy_lib.preset(pol_name)
+    tx = optimizer.make_tx(lr=1e-3, warmup_steps=0, total_steps=10)
+    params = gpt.init_params(model_cfg, jax.random.key(0))
+    shapes = jax.eval_shape(lambda: params)
+    state = jax.eval_shape(lambda: step.init_state(params, mesh, tx, pol))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.sharding),
+                         state, step.abstract_state(shapes, mesh, tx, pol))
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32,
+                                 sharding=NamedSharding(mesh, parallel.BATCH_SPEC))
+    plan = messages.plan(pol, model_cfg.n_layers, dict(mesh.shape))
+    fn = step.make_train_step(model_cfg, mesh, pol, plan, tx, shapes, microbatches=2,
+                              zero_stage=1, clip_norm=1.0, **kw)
+    return wire.measure_compiled(fn.lower(state, batch).compile(), mesh)
+
+
+def test_hybrid_step_sends_about_as_many_messages_as_the_baseline():
+    """Bucketed gradients and parameters, and one buffer per payload: the hybrid step
+    compiles to the baseline's collectives plus at most one per coded reduction (an
+    all_to_all and an all_gather stand in for one all-reduce), however many leaves
+    the model has; and bucketing sends no more data bytes than a message per leaf."""
+    base, hybrid = _compiled_report("baseline"), _compiled_report("hybrid")
+    per_leaf = _compiled_report("hybrid", bucket_bytes=1)
+    coded_reductions = sum(c.kind == "all-to-all" for c in hybrid.collectives)
+    assert len(hybrid.collectives) <= len(base.collectives) + coded_reductions, (
+        hybrid.table(), base.table())
+    assert len(per_leaf.collectives) > len(hybrid.collectives) + 20
+    assert hybrid.by_axis()["data"] <= per_leaf.by_axis()["data"]

@@ -1,0 +1,323 @@
+"""End-to-end runs of train.py in subprocesses, as users run it.
+
+The runs that do not depend on one another start side by side in one
+module-scoped fixture: a run of train.py spends much of its time in Python and
+in single-threaded compiles, so on two cores three take little longer than one.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ["--config=configs/tiny.py", "--config.train.steps=8", "--config.train.log_every=1",
+        "--config.checkpoint.every=4", "--config.train.eval_every=8"]
+
+
+def _env(devices=8):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
+                        "--xla_backend_optimization_level=0")  # see conftest.py
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def run(workdir, *args, devices=8, timeout=300):
+    return subprocess.run([sys.executable, "train.py", f"--workdir={workdir}", *args],
+                          cwd=ROOT, env=_env(devices), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start(workdir, *args, env):
+    return subprocess.Popen([sys.executable, "train.py", f"--workdir={workdir}", *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finish(procs, timeout):
+    """Waits for every process; asserts each exited 0."""
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+
+
+def losses(workdir):
+    """step -> loss; a step logged twice (after a resume) keeps its last value."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def first_record(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return json.loads(f.readline())
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Runs of TINY, side by side: "tiny" (with a profile of steps 2-3, checked
+    below) stores its compiled step in the suite's compilation cache; "fresh"
+    runs without the cache; "multi" is 2 processes x 4 CPU devices (gloo) on
+    the same mesh; "warm", started once tiny is done, loads tiny's step from
+    the cache. -> {name: workdir}, each finished with exit 0."""
+    base = tmp_path_factory.mktemp("runs")
+    dirs = {name: str(base / name) for name in ("tiny", "fresh", "multi", "warm")}
+    no_cache = {k: v for k, v in _env().items() if not k.startswith("JAX_PERSISTENT_CACHE")
+                and k != "JAX_COMPILATION_CACHE_DIR"}
+    port = _free_port()
+    procs = {
+        "tiny": [start(dirs["tiny"], *TINY, "--config.train.profile_steps=2-3", env=_env())],
+        "fresh": [start(dirs["fresh"], *TINY, env=no_cache)],
+        "multi": [start(dirs["multi"], *TINY, f"--coordinator_address=127.0.0.1:{port}",
+                        "--num_processes=2", f"--process_id={i}", "--cpu_devices=4",
+                        env={**_env(4), "XLA_FLAGS": ""}) for i in range(2)],
+    }
+    try:
+        finish(procs["tiny"], timeout=400)
+        procs["warm"] = [start(dirs["warm"], *TINY, env=_env())]
+        for name in ("fresh", "multi", "warm"):
+            finish(procs[name], timeout=400)
+    finally:
+        for p in (p for ps in procs.values() for p in ps):
+            if p.poll() is None:
+                p.kill()
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def tiny_run(runs):
+    return runs["tiny"]
+
+
+def test_tiny_trains_and_logs(tiny_run):
+    got = losses(tiny_run)
+    assert sorted(got) == list(range(1, 9))
+    assert got[8] < got[1] - 0.5, got
+    rec = first_record(tiny_run)
+    for key in ("step", "loss", "lr", "tokens_per_s", "step_time_s", "wire_bytes_data",
+                "wire_bytes_tensor", "wire_bytes_pipeline", "param_bytes_per_device",
+                "opt_state_bytes_per_device"):
+        assert key in rec, key
+    with open(os.path.join(tiny_run, "metrics.jsonl")) as f:
+        assert any("val_loss" in json.loads(line) for line in f)
+
+
+def test_a_cached_compilation_meters_and_trains_as_a_fresh_one(runs):
+    """The suite shares a persistent compilation cache (conftest.py). A run that
+    loads tiny's step from it (tiny_run stored it) and a run without the cache
+    read the same bytes from the compiled program and log the same losses."""
+    cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    assert os.listdir(cache), "the suite's compilation cache is empty"
+    warm, fresh = runs["warm"], runs["fresh"]
+    wire = lambda w: {k: v for k, v in first_record(w).items() if k.startswith("wire_")}
+    assert wire(warm) == wire(fresh) and wire(fresh)["wire_bytes_total"] > 0
+    assert losses(warm) == losses(fresh)
+
+
+def test_tiny_run_writes_tensorboard_events_and_a_profile(tiny_run):
+    """TensorBoard scalars beside metrics.jsonl hold the same losses, and
+    train.profile_steps=2-3 left one jax.profiler trace."""
+    import glob
+
+    from tests.train.test_tensorboard_profile import _scalars
+
+    got = _scalars(tiny_run)
+    assert got["loss"] == pytest.approx(losses(tiny_run)), got.get("loss")
+    assert 8 in got["val_loss"] and "wire_bytes_total" in got
+    traces = glob.glob(os.path.join(tiny_run, "profile", "process0", "plugins", "profile", "*",
+                                    "*.xplane.pb"))
+    assert len(traces) == 1 and os.path.getsize(traces[0]) > 1000, traces
+
+
+def test_rerun_resumes_and_matches_the_uninterrupted_run(tiny_run, tmp_path):
+    """Drop the last checkpoint of a finished run: the same command resumes from
+    step 4 and reproduces steps 5..8 bit for bit."""
+    import shutil
+    workdir = str(tmp_path / "resumed")
+    shutil.copytree(tiny_run, workdir)
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+    os.remove(os.path.join(workdir, "metrics.jsonl"))
+    proc = run(workdir, *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed, full = losses(workdir), losses(tiny_run)
+    assert sorted(resumed) == [5, 6, 7, 8], "did not resume from step 4"
+    assert all(resumed[s] == full[s] for s in resumed), (resumed, full)
+
+
+def test_zero1_optimizer_state_is_split_over_all_devices(tiny_run):
+    """Measured from the arrays on device 0: master copy + two Adam moments of the
+    whole model, divided by the 8 devices, up to the leaves that are replicated
+    over tensor or pipeline (LayerNorms, row-parallel biases, the embedding over
+    pipeline) and the per-leaf padding to whole codec blocks."""
+    rec = first_record(tiny_run)
+    params_total = 4 * _n_params_tiny()
+    expected = 3 * params_total / 8
+    assert expected <= rec["opt_state_bytes_per_device"] <= 1.6 * expected, rec
+
+
+def _n_params_tiny():
+    d, f, n, v = 32, 64, 2, 256
+    layer = 4 * d + 3 * d * d + 3 * d + d * d + d + d * f + f + f * d + d
+    return v * d + n * layer + 2 * d
+
+
+def test_hybrid_cuts_data_axis_traffic_to_a_quarter(tmp_path):
+    """Measured by the byte meter on the compiled step and written to metrics."""
+    # d_model 64: at tiny's 32 the block padding and f32 scales of the many small
+    # arrays (biases, norms) take the ratio past a quarter (0.27).
+    small = ["--config=configs/tiny.py", "--config.train.steps=1", "--config.optim.warmup_steps=0",
+             "--config.train.eval_every=100", "--config.model.d_model=64",
+             "--config.model.d_ff=256"]
+    # The two runs are independent: side by side they take the time of one.
+    procs = {name: subprocess.Popen(
+        [sys.executable, "train.py", f"--workdir={tmp_path / name}", *small,
+         f"--config.compression.policy={name}"], cwd=ROOT, env=_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name in ("baseline", "hybrid")}
+    for proc in procs.values():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    base = first_record(str(tmp_path / "baseline"))["wire_bytes_data"]
+    hybrid = first_record(str(tmp_path / "hybrid"))["wire_bytes_data"]
+    assert hybrid <= base / 4, (hybrid, base)
+    # val_loss is the exact forward's; a policy that codes forward activations also
+    # reports the loss through them, and here int4:rot moves it.
+    last = {n: json.loads((tmp_path / n / "metrics.jsonl").read_text().splitlines()[-1])
+            for n in ("baseline", "hybrid")}
+    assert "val_loss" in last["baseline"] and "val_loss_compressed" not in last["baseline"]
+    h = last["hybrid"]
+    assert all(0 < h[k] < 10 for k in ("val_loss", "val_loss_compressed")), h
+    assert h["val_loss_compressed"] != h["val_loss"], h
+
+
+BAD = [
+    ("--config.mesh.data=3", "mesh"),
+    ("--config.train.batch_size=6", "train.batch_size"),
+    ("--config.model.n_layers=3", "model.n_layers"),
+    ("--config.model.n_heads=3", "model"),
+    ("--config.compression.tensor.act=int3", "compression.tensor.act"),
+    ("--config.compression.policy=fancy", "compression.policy"),
+    ("--config.optim.lr=-0.1", "optim.lr"),
+    ("--config.data.source=/no/such/corpus.txt", "data.source"),
+    ("--config.data.seq_len=64", "data.seq_len"),
+    ("--config.train.nonfinite=ignore", "train.nonfinite"),
+    ("--config.optim.name=lion", "optim.name"),
+    ("--config.compression.data.act=int8", "compression.data.act"),
+    ("--config.seed=9223372036854775808", "seed must be <= 9223372036854775807"),
+    ("--config.seed=-1", "seed must be >= 0"),
+    ("--config.data.source=", "data.source='' names no corpus"),
+    ("--config.data.source=text:", "data.source='text:' names no corpus"),
+]
+
+
+@pytest.mark.parametrize("arg,field", BAD)
+def test_invalid_config_exits_2_with_one_line(tmp_path, arg, field):
+    workdir = tmp_path / "w"
+    proc = run(str(workdir), "--config=configs/tiny.py", arg, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert field in lines[0] and "Traceback" not in proc.stderr
+    assert field.startswith("data.source") or "data.source" not in lines[0], lines[0]
+    assert not workdir.exists(), "a rejected run must not create its workdir"
+
+
+def test_two_processes_match_one(runs):
+    """2 processes x 4 CPU devices (gloo) give the 1 x 8 run's losses, same mesh and config."""
+    multi, single = losses(runs["multi"]), losses(runs["tiny"])
+    assert sorted(multi) == sorted(single)
+    for s in single:
+        assert abs(multi[s] - single[s]) <= 1e-5 * abs(single[s]), (s, multi[s], single[s])
+
+
+def test_a_lost_peer_ends_the_survivor_in_one_line_and_the_rerun_resumes_bitwise(runs, tmp_path):
+    """2 processes x 4 devices as in "multi"; process 1 is killed (kill -9) after
+    step 5, past the checkpoint of step 4. Process 0 exits within --peer_timeout
+    (plus the time to notice) with exit 4 and one line naming process 1 and the
+    last complete checkpoint, and nothing of JAX's C++ log on its stderr (that
+    goes to WORKDIR/process0.log). Rerunning both processes with the same command
+    resumes from that checkpoint and reproduces "multi"'s losses bit for bit."""
+    workdir = str(tmp_path / "lost")
+    port = _free_port()
+    cmd = lambda i, *extra: [sys.executable, "tests/train/faultinject.py", *extra, "--",
+                             f"--workdir={workdir}", *TINY,
+                             f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                             f"--process_id={i}", "--cpu_devices=4", "--peer_timeout=5"]
+    env = {**_env(4), "XLA_FLAGS": ""}
+    procs = [subprocess.Popen(cmd(i, "--step_sleep=1.0"), cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        path = os.path.join(workdir, "metrics.jsonl")
+        while time.monotonic() < deadline and procs[1].poll() is None:
+            if os.path.exists(path) and max(losses(workdir), default=0) >= 5:
+                break
+            time.sleep(0.1)
+        procs[1].kill()
+        t0 = time.monotonic()
+        _, err = procs[0].communicate(timeout=120)
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode == 4, err[-3000:]
+    assert waited < 5 + 30, waited
+    lines = [l for l in err.splitlines() if l.startswith("train.py:")]
+    assert len(lines) == 1 and "process 1 of the cluster was lost" in lines[0], err[-3000:]
+    assert "last complete checkpoint is step 4" in lines[0], lines[0]
+    assert "process0.log" in lines[0] and "Check failure" not in err and "Traceback" not in err
+    assert "Terminating process" in open(os.path.join(workdir, "process0.log")).read()
+
+    port = _free_port()
+    rerun = [subprocess.Popen(cmd(i), cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for i in range(2)]
+    finish(rerun, timeout=400)
+    got, want = losses(workdir), losses(runs["multi"])
+    assert sorted(got) == sorted(want) and all(got[s] == want[s] for s in want), (got, want)
+
+
+def _cluster(workdir, port, extra_by_process, *flags):
+    env = {**_env(4), "XLA_FLAGS": ""}
+    return [subprocess.Popen([sys.executable, "train.py", f"--workdir={workdir}", *TINY,
+                              f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                              f"--process_id={i}", "--cpu_devices=4", *flags, *extra],
+                             cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+            for i, extra in enumerate(extra_by_process)]
+
+
+def test_processes_given_different_configs_are_refused_before_anything_is_written(tmp_path):
+    """Process 1 with another optim.lr and train.steps: both processes exit 2 with
+    the same one line naming process 1 and both fields with both values, and the
+    workdir is never created (no process trains apart, none waits at the end)."""
+    workdir = tmp_path / "w"
+    procs = _cluster(str(workdir), _free_port(),
+                     [[], ["--config.optim.lr=0.001", "--config.train.steps=9"]])
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert p.returncode == 2 and len(lines) == 1, err[-3000:]
+        assert ("process 1 differs from process 0 in optim.lr (0.01 on process 0, 0.001 on "
+                "process 1), train.steps (8 on process 0, 9 on process 1)") in lines[0], lines[0]
+    assert not workdir.exists()
+
+
+def test_a_cluster_that_never_forms_ends_in_one_line_within_init_timeout(tmp_path):
+    """Only process 0 of 2 starts (a node that did not come up, a wrong port)."""
+    workdir = tmp_path / "w"
+    [proc] = _cluster(str(workdir), _free_port(), [[]], "--init_timeout=3")
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, err[-3000:]
+    assert "did not form within --init_timeout=3 s" in lines[0], lines[0]
+    assert time.monotonic() - t0 < 3 + 30 and not workdir.exists()
