@@ -68,15 +68,7 @@ class Policy:
         entries = {(a, k): c for a, k, c in self.table}
         for key, spec in overrides.items():
             axis, _, kind = str(key).partition(".")
-            _check(axis, kind, where=f"policy override {key!r}")
-            codec = codecs.parse(spec)
-            if (axis, kind) not in MESSAGES and getattr(codec, "kind", None) != "identity":
-                raise ValueError(
-                    f"policy override {key!r}: the step sends no {kind} message over "
-                    f"'{axis}', so there is nothing to compress; entries that name a "
-                    "message: " + ", ".join(f"{a}.{k}" for a, k in MESSAGES))
-            check_placement(codec, axis, kind, f"policy override {key!r}")
-            entries[axis, kind] = codec
+            entries[axis, kind] = parse_entry(axis, kind, spec, where=f"policy override {key!r}")
         return dataclasses.replace(self, table=_freeze(entries))
 
     def where(self, axis, kind) -> tuple | None:
@@ -185,6 +177,23 @@ def check_placement(codec, axis: str, kind: str, where: str) -> None:
     if rule and (axis, kind) not in rule[0]:
         fits = ", ".join(f"{a}.{k}" for a, k in rule[0])
         raise ValueError(f"{where}: {codec} {rule[1]} ({fits})")
+
+
+def parse_entry(axis: str, kind: str, spec, where: str):
+    """The codec of `spec` as the entry axis.kind of a policy; ValueError or
+    TypeError, starting with `where`, if it cannot stand there."""
+    _check(axis, kind, where=where)
+    try:
+        codec = codecs.parse(spec)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None
+    if (axis, kind) not in MESSAGES and getattr(codec, "kind", None) != "identity":
+        raise ValueError(
+            f"{where}: the step sends no {kind} message over '{axis}', so there is nothing "
+            "to compress; entries that name a message: "
+            + ", ".join(f"{a}.{k}" for a, k in MESSAGES))
+    check_placement(codec, axis, kind, where)
+    return codec
 
 
 def _check(axis, kind, where="policy"):

@@ -2,10 +2,10 @@
 
     train_step(state, batch) -> (state, metrics)
     state = {"params": working params (param_specs), "zero": ZeRO state
-             (optimizer.state_specs), "skipped": int32 count of dropped updates}
+             (zero.state_specs), "skipped": int32 count of dropped updates}
 
 Inside the step: loss and local gradients (`parallel.local_value_and_grad`),
-then the ZeRO update (`optimizer.apply_updates`), which reduces gradients over
+then the ZeRO update (`zero.apply_updates`), which reduces gradients over
 'data' and gathers parameters with the plan's grad_reduce and param_gather.
 A non-finite loss or gradient norm drops the whole update (state unchanged,
 `skipped` + 1); the loop decides whether to go on or stop.
@@ -19,36 +19,35 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp import collectives as cc
-from jcomp.gpt import optimizer, parallel
+from jcomp.gpt import parallel, zero
 
 DATA = parallel.DATA
 
 
-def state_specs(param_specs, tx, pol):
-    return {"params": param_specs, "zero": optimizer.state_specs(param_specs, tx, pol),
+def state_specs(param_specs, tx, layout: zero.Layout):
+    return {"params": param_specs, "zero": zero.state_specs(param_specs, tx, layout),
             "skipped": P()}
 
 
-def init_state(params, mesh, tx, pol):
+def init_state(params, mesh, tx, layout: zero.Layout):
     """Train state from global float32 params (placed on the mesh here)."""
     specs = parallel.param_specs(params)
     placed = parallel.shard_params(params, mesh)
-    return {"params": placed, "zero": optimizer.init_state(placed, specs, mesh, tx, pol),
+    return {"params": placed, "zero": zero.init_state(placed, specs, mesh, tx, layout),
             "skipped": jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))}
 
 
-def abstract_state(params_shapes, mesh, tx, pol):
+def abstract_state(params_shapes, mesh, tx, layout: zero.Layout):
     """ShapeDtypeStructs with shardings of the train state (checkpoint restore target)."""
     specs = parallel.param_specs(params_shapes)
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
     return {"params": jax.tree.map(sds, params_shapes, specs),
-            "zero": optimizer.abstract_state(params_shapes, specs, mesh, tx, pol),
+            "zero": zero.abstract_state(params_shapes, specs, mesh, tx, layout),
             "skipped": sds(jax.ShapeDtypeStruct((), jnp.int32), P())}
 
 
-def _metric_specs(pol):
-    names = ["loss", "grad_norm", "finite"] + (
-        ["ef_norm"] if optimizer.uses_error_feedback(pol) else [])
+def _metric_specs(layout: zero.Layout):
+    names = ["loss", "grad_norm", "finite"] + (["ef_norm"] if layout.error_feedback else [])
     return {n: P() for n in names}
 
 
@@ -57,32 +56,32 @@ def _draws_randomness(plan) -> bool:
     return any(m.codec.needs_key for m in (plan.grad_reduce, plan.param_gather))
 
 
-def make_train_step(model_cfg, mesh, pol, plan, tx, params_shapes, *, microbatches, zero_stage,
-                    clip_norm, remat=False, seed=0, bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
+def make_train_step(model_cfg, mesh, plan, tx, params_shapes, *, layout: zero.Layout,
+                    microbatches, clip_norm, remat=False, seed=0,
+                    bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
     """A jitted fn(state, batch [B, L+1] int32) -> (state, metrics).
 
-    `pol` lays out the state; `plan` (jcomp.gpt.messages.plan, of `pol` or of a
-    phase of a `jcomp.gpt.schedule` on `pol`'s layout) says what every collective
-    sends. Codecs that draw random numbers (stochastic rounding, rand-k) in the
+    `layout` (zero.for_plan of the plan the state is laid out for) lays out the
+    state; `plan` (jcomp.gpt.messages.plan, that plan or one of a phase of a
+    compression schedule) says what every collective sends. Codecs that draw random numbers (stochastic rounding, rand-k) in the
     gradient reduction or the parameter gather get the key fold_in(key(seed),
     optimizer step), folded with each device's index by the collectives: a pure
     function of the state, so a resumed run draws what the uninterrupted one
     would. `bucket_bytes` bounds the flat buffers those two send.
     """
     specs = parallel.param_specs(params_shapes)
-    sspecs = state_specs(specs, tx, pol)
+    sspecs = state_specs(specs, tx, layout)
     keyed = _draws_randomness(plan)
 
     def body(state, batch):
         params = state["params"]
         loss, grads = parallel.local_value_and_grad(params, batch, model_cfg, plan,
                                                     microbatches, remat)
-        count = optimizer.step_count(state["zero"]) if keyed else None
-        new_params, new_zero, stats = optimizer.apply_updates(
-            grads, params, state["zero"], tx=tx, policy=pol, param_specs=specs,
-            stage=zero_stage, clip_norm=clip_norm, grad_codec=plan.grad_reduce.codec,
-            param_codec=plan.param_gather.codec, step=count,
-            key=jax.random.key(seed) if keyed else None, bucket_bytes=bucket_bytes)
+        count = zero.step_count(state["zero"]) if keyed else None
+        new_params, new_zero, stats = zero.apply_updates(
+            grads, params, state["zero"], tx=tx, plan=plan, layout=layout, param_specs=specs,
+            clip_norm=clip_norm, step=count, key=jax.random.key(seed) if keyed else None,
+            bucket_bytes=bucket_bytes)
         loss = lax.pmean(loss, DATA)
         finite = jnp.isfinite(loss) & jnp.isfinite(stats["grad_norm"])
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
@@ -94,7 +93,7 @@ def make_train_step(model_cfg, mesh, pol, plan, tx, params_shapes, *, microbatch
         return new_state, metrics
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(sspecs, parallel.BATCH_SPEC),
-                       out_specs=(sspecs, _metric_specs(pol)), check_vma=True)
+                       out_specs=(sspecs, _metric_specs(layout)), check_vma=True)
     return jax.jit(fn, donate_argnums=0)
 
 

@@ -118,7 +118,7 @@ def restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds) -> Start
     restored = None
     try:
         with quiet.restoring_quietly(logging.getLogger(checkpoint.__name__), ckpt):
-            restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, run.policy),
+            restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, run.zero),
                                     expect_meta={"fingerprint": run.fingerprint()},
                                     check_meta=data_mismatches(train_ds))
     except checkpoint.CheckpointError as e:  # it lists every step it skipped
@@ -132,7 +132,7 @@ def restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds) -> Start
         moved = ckpt.set_aside(int(os.path.basename(path)))
         _log.warning("checkpoint %s cannot be used: %s; moved to %s", path, reason, moved)
     if restored is None:
-        return Start(step.init_state(make_params(), mesh, tx, run.policy), 0, run.train.steps,
+        return Start(step.init_state(make_params(), mesh, tx, run.zero), 0, run.train.steps,
                      0, tx)
     # The learning-rate schedule is the first run's: a resumed run keeps its length
     # whatever train.steps says now (steps past it run at the final rate).

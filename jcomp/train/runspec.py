@@ -2,13 +2,15 @@
 frozen `RunSpec` that the training loop reads everything from.
 
     run = validate(cfg, n_devices)    # UsageError naming the field, or a RunSpec
-    run.model, run.mesh_shape, run.phases, run.policy, run.optim.tx(total_steps)
+    run.model, run.mesh_shape, run.phases, run.plan(phase), run.zero, run.optim.tx(total_steps)
 
 Bad configuration raises `UsageError` (a ValueError) naming the field and what
 is allowed; nothing here reads or writes the workdir, so a refused run leaves
 it as it was. The compression schedule is parsed here, once: `run.phases` is
-[(first step, policy in force)] from step 0, and `run.policy`, its last entry,
-lays out the train state.
+[(first step, policy in force)] from step 0. Every codec is parsed here, once:
+below this module the step and the optimizer receive a message plan per phase
+(`run.plan(phase)`, jcomp.gpt.messages) and the ZeRO layout (`run.zero`, of
+the last phase's plan), never a policy or a codec spec string.
 """
 from __future__ import annotations
 
@@ -17,14 +19,13 @@ import dataclasses
 import jax
 import numpy as np
 
-from jcomp.gpt import autoencoder, messages, optimizer, parallel
-
-from jcomp.train import faults
+from jcomp.gpt import autoencoder, hyperparams, messages, parallel, zero
 from jcomp.gpt import mesh as mesh_lib
-from jcomp.train import metrics as metrics_lib
 from jcomp.gpt import model as gpt
 from jcomp.gpt import policy as policy_lib
 from jcomp.gpt import schedule as schedule_lib
+from jcomp.train import faults
+from jcomp.train import metrics as metrics_lib
 
 UsageError = faults.UsageError  # a configuration or input the user must fix
 
@@ -47,18 +48,18 @@ class OptimSettings:
     def tx(self, total_steps: int):
         """AdamW (or SGD) whose schedule spans `total_steps`."""
         try:
-            return optimizer.make_tx(name=self.name, lr=self.lr, warmup_steps=self.warmup_steps,
-                                     total_steps=total_steps, min_lr_ratio=self.min_lr_ratio,
-                                     b1=self.b1, b2=self.b2, eps=self.eps,
-                                     weight_decay=self.weight_decay,
-                                     decay_mask=optimizer.decay_mask)
+            return hyperparams.make_tx(name=self.name, lr=self.lr, warmup_steps=self.warmup_steps,
+                                       total_steps=total_steps, min_lr_ratio=self.min_lr_ratio,
+                                       b1=self.b1, b2=self.b2, eps=self.eps,
+                                       weight_decay=self.weight_decay,
+                                       decay_mask=hyperparams.decay_mask)
         except (TypeError, ValueError) as e:
             raise UsageError(f"optim: {e}") from None
 
     def schedule(self, total_steps: int):
         """step -> learning rate, as `tx(total_steps)` applies it."""
-        return optimizer.make_schedule(lr=self.lr, warmup_steps=self.warmup_steps,
-                                       total_steps=total_steps, min_lr_ratio=self.min_lr_ratio)
+        return hyperparams.make_schedule(lr=self.lr, warmup_steps=self.warmup_steps,
+                                         total_steps=total_steps, min_lr_ratio=self.min_lr_ratio)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,7 @@ class RunSpec:
     mesh_shape: tuple          # sizes along mesh_lib.AXES
     phases: tuple              # ((first step, Policy), ...) from step 0
     plans: tuple               # the messages.Plan of each phase, in phase order
+    zero: zero.Layout          # the train state's ZeRO layout (the last phase's plan)
     optim: OptimSettings
     train: TrainSettings
     data: DataSettings
@@ -116,16 +118,16 @@ class RunSpec:
         return self.phases[-1][1]
 
     def step_options(self) -> dict:
-        """Keyword arguments of `step.make_train_step` besides the phase."""
-        return dict(microbatches=self.train.microbatches, zero_stage=self.optim.zero_stage,
+        """Keyword arguments of `step.make_train_step` besides the phase's plan."""
+        return dict(layout=self.zero, microbatches=self.train.microbatches,
                     clip_norm=float(self.optim.clip_norm), remat=self.train.remat,
                     seed=self.seed, bucket_bytes=self.bucket_bytes)
 
     def fingerprint(self) -> dict:
         """What a checkpoint must have been written for to be restored into this run."""
         return {"model": dataclasses.asdict(self.model), "mesh": list(self.mesh_shape),
-                "zero_stage": int(self.optim.zero_stage), "policy": self.policy.as_dict(),
-                "error_feedback": bool(optimizer.uses_error_feedback(self.policy))}
+                "zero_stage": int(self.zero.stage), "policy": self.policy.as_dict(),
+                "error_feedback": bool(self.zero.error_feedback)}
 
 
 # ------------------------------------------------------------------ checks
@@ -155,10 +157,10 @@ def build_policy(comp) -> policy_lib.Policy:
         spec = comp[axis][kind]
         if spec:
             try:
-                policy_lib.preset("baseline").replace({f"{axis}.{kind}": spec})
+                overrides[f"{axis}.{kind}"] = policy_lib.parse_entry(
+                    axis, kind, spec, where=f"compression.{axis}.{kind}")
             except (TypeError, ValueError) as e:
-                raise UsageError(f"compression.{axis}.{kind}: {e}") from None
-            overrides[f"{axis}.{kind}"] = spec
+                raise UsageError(str(e)) from None
     ef = {"auto": None, "on": True, "off": False}[comp.error_feedback]
     try:
         pol = policy_lib.build(comp.policy, overrides, ef)
@@ -216,8 +218,9 @@ def validate(cfg, n_devices: int) -> RunSpec:
     for name in ("optim.weight_decay", "optim.clip_norm", "optim.min_lr_ratio",
                  "train.ef_reset_norm"):
         _positive(cfg, name, zero_ok=True, integer=False)
-    if cfg.optim.name not in optimizer.OPTIMIZERS:
-        raise UsageError(f"optim.name={cfg.optim.name!r}; allowed: {', '.join(optimizer.OPTIMIZERS)}")
+    if cfg.optim.name not in hyperparams.OPTIMIZERS:
+        raise UsageError(f"optim.name={cfg.optim.name!r}; allowed: "
+                         f"{', '.join(hyperparams.OPTIMIZERS)}")
     if cfg.optim.zero_stage not in (1, 2):
         raise UsageError(f"optim.zero_stage={cfg.optim.zero_stage!r}; allowed: 1, 2")
     if cfg.train.nonfinite not in ("skip", "stop"):
@@ -243,10 +246,6 @@ def validate(cfg, n_devices: int) -> RunSpec:
     pol = phases[-1][1]
     _check_compression_reaches_the_run(cfg, phases)
     try:
-        optimizer.check_stage(pol, cfg.optim.zero_stage)
-    except ValueError as e:
-        raise UsageError(f"compression.data.grad: {e}") from None
-    try:
         ae = autoencoder.dims(pol)
     except ValueError as e:
         raise UsageError(f"compression.tensor: {e}") from None
@@ -259,7 +258,12 @@ def validate(cfg, n_devices: int) -> RunSpec:
     except ValueError as e:
         raise UsageError(f"compression.{e}") from None
     plans = tuple(messages.plan(p, model_cfg.n_layers, mesh_shape) for _, p in phases)
+    try:
+        layout = zero.for_plan(plans[-1], cfg.optim.zero_stage)
+    except ValueError as e:
+        raise UsageError(f"compression.data.grad: {e}") from None
     return RunSpec(model=model_cfg, mesh_shape=tuple(shape), phases=tuple(phases), plans=plans,
+                   zero=layout,
                    optim=optim_settings(cfg.optim), train=_train_settings(cfg.train, profile_steps),
                    data=_data_settings(cfg.data), checkpoint_every=cfg.checkpoint.every,
                    checkpoint_keep=cfg.checkpoint.keep, seed=cfg.seed,
@@ -324,10 +328,10 @@ def _check_compression_reaches_the_run(cfg, phases):
     feedback with nothing lossy to feed back, or a warm-up or schedule whose
     compressed phases all start at or after train.steps."""
     comp, steps, final = cfg.compression, cfg.train.steps, phases[-1][1]
-    if comp.error_feedback == "on" and not optimizer.uses_error_feedback(final):
+    if comp.error_feedback == "on" and final["data", "grad"].kind == "identity":
         raise UsageError(
             "compression.error_feedback='on' has nothing to feed back: compression.data.grad "
-            f"is {optimizer.grad_codec(final)} (lossless); error feedback corrects a lossy "
+            f"is {final['data', 'grad']} (lossless); error feedback corrects a lossy "
             "data.grad codec: set one (e.g. int8), or error_feedback='auto' or 'off'")
     starts = [s for s, pol in phases if schedule_lib.is_compressed(pol)]
     if starts and min(starts) >= steps:

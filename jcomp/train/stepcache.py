@@ -41,9 +41,8 @@ class StepCache:
     def train(self, phase, state, batch):
         """-> (executable: (state, batch) -> (state, metrics), its wire report)."""
         if phase not in self._train:
-            fn = step.make_train_step(self.run.model, self.mesh, self.run.policy,
-                                      self.run.plan(phase), self.tx, self.shapes,
-                                      **self.run.step_options())
+            fn = step.make_train_step(self.run.model, self.mesh, self.run.plan(phase), self.tx,
+                                      self.shapes, **self.run.step_options())
             exe = fn.lower(state, batch).compile()
             self._train[phase] = (exe, wire.measure_compiled(exe, self.mesh))
         return self._train[phase]

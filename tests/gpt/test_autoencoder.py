@@ -197,7 +197,7 @@ def test_training_checkpoints_and_restores_the_autoencoder(tmp_path):
     init = gpt.init_params(run.model, jax.random.key(cfg.seed),
                            coders=autoencoder.coders(run.policy))
     abstract = step.abstract_state(jax.eval_shape(lambda: init), mesh,
-                                   run.optim.tx(run.train.steps), run.policy)
+                                   run.optim.tx(run.train.steps), run.zero)
     ckpt_dir = os.path.join(workdir, "checkpoints")
     with checkpoint.Checkpointer(ckpt_dir, save_every=2, keep=3) as ck:
         saved = ck.restore(abstract, step=2).state["params"]["layers"]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jcomp.gpt import messages, optimizer, parallel, step
+from jcomp.gpt import hyperparams, messages, parallel, step, zero
 
 from jcomp.meter import wire
 from jcomp.gpt import mesh as jmesh
@@ -63,12 +63,13 @@ def _coded_axes(pol, shape, remat=False):
     """(axes the compiled train step sends coded (integer) payloads over, axes it
     sends anything over) for the tiny model on this mesh."""
     mesh = jmesh.make_mesh(shape)
-    tx = optimizer.make_tx(lr=1e-3, warmup_steps=0, total_steps=10)
+    tx = hyperparams.make_tx(lr=1e-3, warmup_steps=0, total_steps=10)
     shapes = jax.eval_shape(lambda: gpt.init_params(CFG, jax.random.key(0)))
-    state = step.abstract_state(shapes, mesh, tx, pol)
-    batch = jax.ShapeDtypeStruct((16, 9), np.int32, sharding=NamedSharding(mesh, parallel.BATCH_SPEC))
     pl = messages.plan(pol, CFG.n_layers, dict(mesh.shape))
-    fn = step.make_train_step(CFG, mesh, pol, pl, tx, shapes, microbatches=2, zero_stage=1,
+    layout = zero.for_plan(pl)
+    state = step.abstract_state(shapes, mesh, tx, layout)
+    batch = jax.ShapeDtypeStruct((16, 9), np.int32, sharding=NamedSharding(mesh, parallel.BATCH_SPEC))
+    fn = step.make_train_step(CFG, mesh, pl, tx, shapes, layout=layout, microbatches=2,
                               clip_norm=1.0, remat=remat)
     report = wire.measure_compiled(fn.lower(state, batch).compile(), mesh)
     coded = {a for c in report.collectives for a in c.axes if _is_coded(c)}

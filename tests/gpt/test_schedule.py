@@ -1,5 +1,6 @@
 """Compression schedules: parsing, the policy in force at each step, and a tiny
 training run whose collectives switch from uncompressed to compressed on time."""
+import dataclasses
 import json
 import logging
 import os
@@ -10,7 +11,7 @@ import pytest
 
 from jcomp import codecs
 
-from jcomp.gpt import messages, optimizer
+from jcomp.gpt import hyperparams, messages, zero
 from jcomp.gpt import policy as jpolicy
 from jcomp.gpt import schedule
 
@@ -119,13 +120,20 @@ def test_phases_skip_changes_that_change_nothing():
 
 def test_apply_updates_refuses_a_phase_powersgd_the_state_was_not_built_for():
     """Checked before any collective runs: outside shard_map is enough."""
-    layout = jpolicy.build("baseline", {"data.grad": "powersgd:rank=2"})
+    sizes = {"data": 2, "tensor": 1, "pipeline": 1}
+    plan_of = lambda overrides: messages.plan(jpolicy.build("baseline", overrides), 1, sizes)
+    layout = zero.for_plan(plan_of({"data.grad": "powersgd:rank=2"}))
     zstate = {"master": {}, "opt": (), "psgd_q": {}}
-    kw = dict(tx=None, policy=layout, param_specs={}, stage=1)
+    kw = dict(tx=None, layout=layout, param_specs={})
     with pytest.raises(ValueError, match="PowerSGD state"):
-        optimizer.apply_updates({}, {}, zstate, grad_codec="powersgd:rank=4", **kw)
-    with pytest.raises(ValueError, match="param_codec"):
-        optimizer.apply_updates({}, {}, zstate, param_codec="powersgd:rank=2", **kw)
+        zero.apply_updates({}, {}, zstate, plan=plan_of({"data.grad": "powersgd:rank=4"}), **kw)
+    # A plan's parameter gather cannot hold PowerSGD (the policy refuses it);
+    # the optimizer checks it again for a plan built by hand.
+    bad = plan_of({"data.grad": "powersgd:rank=2"})
+    bad = dataclasses.replace(bad, param_gather=dataclasses.replace(
+        bad.param_gather, codecs=(bad.grad_reduce.codec,)))
+    with pytest.raises(ValueError, match="param_gather"):
+        zero.apply_updates({}, {}, zstate, plan=bad, **kw)
 
 
 @pytest.mark.parametrize("override,field,why", [
@@ -260,15 +268,16 @@ def test_an_uncompressed_phase_flushes_residuals_into_the_sum():
     from jcomp.gpt import parallel, step
     model_cfg = gpt.ModelConfig(**tiny_config().model.to_dict())
     mesh = mesh_lib.make_mesh((2, 2, 2))
-    tx = optimizer.make_tx(lr=1e-2, warmup_steps=0, total_steps=10)
+    tx = hyperparams.make_tx(lr=1e-2, warmup_steps=0, total_steps=10)
     params = gpt.init_params(model_cfg, jax.random.key(0))
     shapes = jax.eval_shape(lambda: params)
-    state = step.init_state(params, mesh, tx, HYBRID)
+    layout = zero.for_plan(messages.plan(HYBRID, model_cfg.n_layers, dict(mesh.shape)))
+    state = step.init_state(params, mesh, tx, layout)
     state["zero"]["ef"] = jax.tree.map(lambda r: r + 0.5, state["zero"]["ef"])
     phase = schedule.policy_at(HYBRID, schedule.parse({"data.grad": "@5"}), 0)
     plan = messages.plan(phase, model_cfg.n_layers, dict(mesh.shape))
-    fn = step.make_train_step(model_cfg, mesh, HYBRID, plan, tx, shapes, microbatches=2,
-                              zero_stage=1, clip_norm=1.0)
+    fn = step.make_train_step(model_cfg, mesh, plan, tx, shapes, layout=layout, microbatches=2,
+                              clip_norm=1.0)
     rows = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (8, 33), np.int32)
     batch = jax.device_put(rows, NamedSharding(mesh, parallel.BATCH_SPEC))
     new, m = fn(state, batch)

@@ -47,7 +47,7 @@ def _compiled_report(pol_name, **kw):
     from configs import tiny
     from jcomp.gpt import mesh as jmesh
     from jcomp.gpt import model as gpt
-    from jcomp.gpt import messages, optimizer, parallel, step
+    from jcomp.gpt import hyperparams, messages, parallel, step, zero
     from jcomp.meter import wire
     from jcomp.gpt import policy as policy_lib
 
@@ -55,17 +55,18 @@ def _compiled_report(pol_name, **kw):
     model_cfg = gpt.ModelConfig(**cfg.model.to_dict())
     mesh = jmesh.make_mesh((2, 2, 2))
     pol = policy_lib.preset(pol_name)
-    tx = optimizer.make_tx(lr=1e-3, warmup_steps=0, total_steps=10)
+    tx = hyperparams.make_tx(lr=1e-3, warmup_steps=0, total_steps=10)
     params = gpt.init_params(model_cfg, jax.random.key(0))
     shapes = jax.eval_shape(lambda: params)
-    state = jax.eval_shape(lambda: step.init_state(params, mesh, tx, pol))
+    plan = messages.plan(pol, model_cfg.n_layers, dict(mesh.shape))
+    layout = zero.for_plan(plan, stage=1)
+    state = jax.eval_shape(lambda: step.init_state(params, mesh, tx, layout))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.sharding),
-                         state, step.abstract_state(shapes, mesh, tx, pol))
+                         state, step.abstract_state(shapes, mesh, tx, layout))
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32,
                                  sharding=NamedSharding(mesh, parallel.BATCH_SPEC))
-    plan = messages.plan(pol, model_cfg.n_layers, dict(mesh.shape))
-    fn = step.make_train_step(model_cfg, mesh, pol, plan, tx, shapes, microbatches=2,
-                              zero_stage=1, clip_norm=1.0, **kw)
+    fn = step.make_train_step(model_cfg, mesh, plan, tx, shapes, layout=layout, microbatches=2,
+                              clip_norm=1.0, **kw)
     return wire.measure_compiled(fn.lower(state, batch).compile(), mesh)
 
 

@@ -165,7 +165,7 @@ def restore_all(workdir, policy="baseline"):
     spec = runspec.validate(cfg, jax.device_count())
     mesh = mesh_lib.make_mesh(spec.mesh_shape)
     shapes = jax.eval_shape(lambda: gpt.init_params(spec.model, jax.random.key(0)))
-    abstract = step.abstract_state(shapes, mesh, spec.optim.tx(spec.train.steps), spec.policy)
+    abstract = step.abstract_state(shapes, mesh, spec.optim.tx(spec.train.steps), spec.zero)
     ckpt = checkpoint.Checkpointer(ckpt_dir(workdir), save_every=4, keep=3)
     try:
         return {s: ckpt.restore(abstract, step=s).state for s in ckpt.steps()}

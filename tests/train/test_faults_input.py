@@ -179,11 +179,10 @@ def test_settings_no_step_would_use_are_refused(overrides, named):
 
 def test_error_feedback_on_with_a_lossy_codec_is_accepted():
     """The refusal above is about having nothing to feed back, not about 'on'."""
-    from jcomp.gpt import optimizer
     from jcomp.train import runspec
     spec = runspec.validate(_tiny(**{"compression.error_feedback": "on",
                                      "compression.data.grad": "int8"}), 8)
-    assert optimizer.uses_error_feedback(spec.policy)
+    assert spec.zero.error_feedback
 
 
 def test_token_source_with_empty_tokenizer_loads(tmp_path):

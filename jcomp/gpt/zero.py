@@ -1,12 +1,17 @@
-"""AdamW (optax) with ZeRO-sharded state, compressed gradient reduction and
-compressed parameter gathers.
+"""ZeRO: optimizer state sharded over 'data', compressed gradient reduction and
+compressed parameter gathers (optax does the update).
+
+    layout = zero.for_plan(plan, stage=1)   # once per run, from the state's plan
+    state = zero.init_state(params, param_specs, mesh, tx, layout)
+    params, state, stats = zero.apply_updates(grads, params, state, tx=tx, plan=plan,
+                                              layout=layout, param_specs=param_specs)
 
 Working parameters are sharded over 'tensor'/'pipeline' as their PartitionSpecs
 say and replicated over 'data'. Everything the optimizer keeps is split once
-more over 'data' (ZeRO): each leaf's local (tensor/pipeline) block is flattened
-to length S and zero-padded to d*c, with
+more over 'data': each leaf's local (tensor/pipeline) block is flattened to
+length S and zero-padded to d*c, with
 
-    c = ceil(S / d) rounded up to `layout_multiple(policy)`
+    c = ceil(S / d) rounded up to `layout.multiple`
 
 (the codecs' row length, so no codec pads again); data rank r owns elements
 [r*c, (r+1)*c). Outside `shard_map` the state is a dict of global arrays
@@ -14,30 +19,31 @@ to length S and zero-padded to d*c, with
     "master"  float32 master-parameter shards  (d, t', p', c)
     "opt"     the optax state of those shards   (d, t', p', c) per moment, scalars P()
     "ef"      error-feedback residuals          (d, t', p', d*c), only when
-              `uses_error_feedback(policy)`
+              `layout.error_feedback`
     "psgd_q"  PowerSGD right factors Q          (t', p', n, R), only when
-              policy["data", "grad"] is a `powersgd.PowerSGD`: float32, one
-              per tensor/pipeline block (n = its last dim, R = the rank),
-              replicated over 'data'
+              `layout.powersgd`: float32, one per tensor/pipeline block (n = its
+              last dim, R = the rank), replicated over 'data'
 
 with t' = t if the leaf is sharded over 'tensor' else 1 (p' likewise; d, t, p:
 the mesh's axis sizes), laid out by `zero_spec`: inside `shard_map` a block is
-(1, 1, 1, c) ((1, 1, 1, d*c) for "ef"). The residual is per-device state: each data rank keeps what its own full-length contribution
-[d*c] still owes the sum, for stage 1 and stage 2 alike. The layout depends on
-(d, t, p) and the policy's codecs; a checkpoint restores onto the same layout.
+(1, 1, 1, c) ((1, 1, 1, d*c) for "ef"). The residual is per-device state: each
+data rank keeps what its own full-length contribution [d*c] still owes the
+sum, for stage 1 and stage 2 alike. The layout depends on (d, t, p) and
+`Layout`; a checkpoint restores onto the same layout.
 
-With a PowerSGD gradient policy, step 1 below is instead `powersgd.reduce_shards` of
-each leaf's local block (stage 1 only: its factors are all-reduced, so every
-rank gets the whole rank-R mean, of which it keeps slice r); its residual
-lives in the first S entries of the leaf's "ef" buffer.
+With a PowerSGD gradient codec, step 1 below is instead `powersgd.reduce_shards`
+of each leaf's local block (stage 1 only: its factors are all-reduced, so
+every rank gets the whole rank-R mean, of which it keeps slice r); its
+residual lives in the first S entries of the leaf's "ef" buffer.
 
 One step, inside the train step's `shard_map` (`apply_updates`):
   1. reduce the local gradients over 'data': reduce-scatter the padded [d*c]
      buffers (`cc.psum_scatter`, all leaves bucketed into a few messages) so
      rank r receives slice r, at stage 1 and 2 alike (an all-reduce would send
      twice the bytes for the same update); with the plan's grad_reduce codec
-     (`grad_codec`) and error feedback when the policy asks for it; divide by d (each rank's loss
-     is the mean over its own rows, so the global mean is the mean of the d);
+     and error feedback when the layout keeps residuals; divide by d (each
+     rank's loss is the mean over its own rows, so the global mean is the mean
+     of the d);
   2. clip by the global norm: each leaf's squares are summed over 'data' and
      the axes its spec splits it over, so a replicated leaf counts once
      (optax.clip_by_global_norm would see only the local shard);
@@ -47,17 +53,12 @@ One step, inside the train step's `shard_map` (`apply_updates`):
      lossy param codec they are the decoded master (ZeRO++ qwZ); the float32
      master itself never passes through a codec.
 
-The optimizer must be elementwise (Adam, decoupled weight decay, schedules):
-it sees flat shards, not parameter shapes. The weight-decay mask is computed
-from the full parameters beforehand (`decay_mask`).
-
-At about 500 lines this module is one concept on purpose: the ZeRO layout
-(shard lengths, specs, initial state) exists for the update that reads it,
-and splitting them would put the layout's invariants and their one user in
-two places.
+The optimizer (`jcomp.gpt.hyperparams.make_tx`) must be elementwise: it sees
+flat shards, not parameter shapes.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -68,79 +69,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcomp import codecs
 from jcomp import collectives as cc
 from jcomp.collectives import powersgd
-from jcomp.collectives.scope import message_scope
 from jcomp.collectives.buckets import bucketed
-
-# The names of the two messages this update sends in the step's plan
-# (jcomp.gpt.messages), under which the byte meter reports them.
-GRAD_REDUCE, PARAM_GATHER = "grad_reduce", "param_gather"
+from jcomp.collectives.scope import message_scope
 
 SHARD_AXES = ("tensor", "pipeline")  # the axes working params may be split over
-NO_DECAY_NAMES = ("bias", "scale")
-
-
-# ---------------------------------------------------------- hyperparameters
-
-def _number(name, value, *, integer=False):
-    kinds = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}; got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite; got {value}")
-    return value
-
-
-def _check(name, value, ok: bool, allowed: str):
-    if not ok:
-        raise ValueError(f"{name} must be {allowed}; got {value}")
-
-
-def make_schedule(*, lr, warmup_steps, total_steps, min_lr_ratio=0.0) -> optax.Schedule:
-    """Linear warm-up from 0 to `lr` over `warmup_steps`, then cosine decay to
-    `min_lr_ratio * lr` at `total_steps` (constant after). ValueError names a bad field."""
-    _check("lr", _number("lr", lr), lr > 0, "> 0")
-    _number("warmup_steps", warmup_steps, integer=True)
-    _number("total_steps", total_steps, integer=True)
-    _check("total_steps", total_steps, total_steps > 0, "> 0")
-    _check("warmup_steps", warmup_steps, 0 <= warmup_steps < total_steps,
-           f">= 0 and < total_steps ({total_steps})")
-    _number("min_lr_ratio", min_lr_ratio)
-    _check("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "in [0, 1]")
-    return optax.warmup_cosine_decay_schedule(
-        0.0, lr, int(warmup_steps), int(total_steps), end_value=min_lr_ratio * lr)
-
-
-OPTIMIZERS = ("adamw", "sgd")
-
-
-def make_tx(*, lr, warmup_steps, total_steps, min_lr_ratio=0.0, b1=0.9, b2=0.95, eps=1e-8,
-            weight_decay=0.0, decay_mask=None, name="adamw") -> optax.GradientTransformation:
-    """AdamW as optax.chain(scale_by_adam, add_decayed_weights(mask), scale_by_learning_rate);
-    name="sgd" puts optax.trace(b1) (heavy-ball momentum; b2 and eps unused) in
-    scale_by_adam's place: a linear optimizer, under which error feedback's
-    delayed gradient adds up to the gradients it delayed.
-
-    decay_mask: pytree of bools shaped like the params (see `decay_mask`) or None
-    (decay every leaf). Clipping is not part of it: under sharding optax would
-    only see the local norm; `apply_updates` clips by the global one.
-    """
-    if name not in OPTIMIZERS:
-        raise ValueError(f"name={name!r}; allowed: {', '.join(OPTIMIZERS)}")
-    schedule = make_schedule(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps,
-                             min_lr_ratio=min_lr_ratio)
-    for field, value in (("b1", b1), ("b2", b2)):
-        _check(field, _number(field, value), 0 <= value < 1, "in [0, 1)")
-    # eps > 0 keeps the zero padding of every shard at exactly 0 (0 / eps), never NaN.
-    _check("eps", _number("eps", eps), eps > 0, "> 0")
-    _check("weight_decay", _number("weight_decay", weight_decay), weight_decay >= 0, ">= 0")
-    return optax.chain(
-        optax.scale_by_adam(b1=b1, b2=b2, eps=eps) if name == "adamw" else optax.trace(decay=b1),
-        optax.add_decayed_weights(weight_decay, decay_mask),
-        optax.scale_by_learning_rate(schedule),
-    )
 
 
 def step_count(zstate):
@@ -150,28 +84,6 @@ def step_count(zstate):
     if not found:
         raise ValueError("the optimizer state has no 'count' to number the steps by")
     return found[0][1]
-
-
-def _leaf_name(path) -> str:
-    last = path[-1] if path else None
-    for attr in ("key", "name", "idx"):
-        if hasattr(last, attr):
-            return str(getattr(last, attr))
-    return ""
-
-
-def decay_mask(params):
-    """True where weight decay applies. No decay for LayerNorm scales and biases:
-    leaves whose name is 'bias'/'scale' or ends in '_bias'/'_scale' (this catches
-    stacked per-layer vectors of shape [N, D]), and any leaf of ndim <= 1.
-    `params` may hold arrays or jax.ShapeDtypeStruct (only shapes are read)."""
-
-    def keep(path, leaf):
-        name = _leaf_name(path)
-        named = name in NO_DECAY_NAMES or name.endswith(tuple("_" + n for n in NO_DECAY_NAMES))
-        return not (named or len(leaf.shape) <= 1)
-
-    return jax.tree_util.tree_map_with_path(keep, params)
 
 
 # ------------------------------------------------------------------- layout
@@ -201,41 +113,43 @@ def zero_specs(param_specs):
     return jax.tree.map(zero_spec, param_specs)
 
 
-def grad_codec(policy):
-    """policy["data", "grad"] as a codec object (codecs.parse passes a
-    `powersgd.PowerSGD` through as it is)."""
-    return codecs.parse(policy["data", "grad"])
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the ZeRO state's shapes depend on besides the mesh and the params.
+    Decided once per run (`for_plan`); a phase of a compression schedule sends
+    other codecs over the same layout."""
+
+    stage: int = 1                # ZeRO stage: 1 or 2
+    error_feedback: bool = False  # the state keeps residuals ("ef")
+    powersgd: powersgd.PowerSGD | None = None  # the gradient codec whose Q the state keeps
+    multiple: int = 1             # shard lengths are multiples of this
+
+    def __post_init__(self):
+        if self.stage not in (1, 2) or isinstance(self.stage, bool):
+            raise ValueError(f"stage must be 1 or 2; got {self.stage!r}")
+        if self.powersgd is not None and self.stage != 1:
+            raise ValueError("powersgd needs optim.zero_stage=1: its factors are all-reduced, "
+                             f"not reduce-scattered; got stage={self.stage} with "
+                             f"data.grad={self.powersgd}")
+        if not isinstance(self.multiple, int) or self.multiple < 1:
+            raise ValueError(f"multiple must be a positive int; got {self.multiple!r}")
 
 
-def _powersgd(policy):
-    """The PowerSGD gradient codec of `policy`, or None."""
-    spec = policy["data", "grad"]
-    return spec if isinstance(spec, powersgd.PowerSGD) else None
-
-
-def layout_multiple(policy) -> int:
-    """Shard length multiple: rows of the grad and param codecs code without padding."""
-    return math.lcm(grad_codec(policy).row_multiple,
-                    codecs.parse(policy["data", "param"]).row_multiple)
+def for_plan(plan, stage: int = 1) -> Layout:
+    """The layout of a run whose state is laid out for `plan` (a
+    jcomp.gpt.messages.Plan): residuals where it asks for error feedback and its
+    gradient codec is lossy, PowerSGD's Q where that codec is PowerSGD, and
+    shards the gradient and parameter codecs' rows divide."""
+    g, p = plan.grad_reduce.codec, plan.param_gather.codec
+    return Layout(stage=stage, error_feedback=bool(plan.error_feedback) and g.kind != "identity",
+                  powersgd=g if isinstance(g, powersgd.PowerSGD) else None,
+                  multiple=math.lcm(g.row_multiple, p.row_multiple))
 
 
 def shard_len(n_local: int, n_data: int, multiple: int) -> int:
     """c = ceil(n_local / n_data) rounded up to `multiple` (at least `multiple`)."""
     per_rank = -(-n_local // n_data)
     return max(-(-per_rank // multiple) * multiple, multiple)
-
-
-def check_stage(policy, stage) -> None:
-    """ValueError where the policy's gradient codec cannot run at this ZeRO stage."""
-    psgd = _powersgd(policy)
-    if psgd is not None and stage != 1:
-        raise ValueError("powersgd needs optim.zero_stage=1: its factors are all-reduced, "
-                         f"not reduce-scattered; got stage={stage} with data.grad={psgd}")
-
-
-def uses_error_feedback(policy) -> bool:
-    """Whether the state carries residuals: the policy asks and the grad codec is lossy."""
-    return bool(policy.error_feedback) and grad_codec(policy).kind != "identity"
 
 
 def _local_shape(shape, spec, sizes) -> tuple:
@@ -250,10 +164,10 @@ def _local_shape(shape, spec, sizes) -> tuple:
     return tuple(out)
 
 
-def _state_leaves(params, param_specs, mesh, policy, width):
+def _state_leaves(params, param_specs, mesh, layout, width):
     """Per leaf, a float32 ShapeDtypeStruct (D, T', P', width(c, D)) of its state."""
     sizes = dict(mesh.shape)
-    d, multiple = sizes["data"], layout_multiple(policy)
+    d, multiple = sizes["data"], layout.multiple
 
     def one(param, spec):
         c = shard_len(math.prod(_local_shape(param.shape, spec, sizes)), d, multiple)
@@ -285,7 +199,7 @@ def _q_leaves(params, param_specs, mesh, rank):
 
 # -------------------------------------------------------------------- state
 
-def state_specs(param_specs, tx, policy):
+def state_specs(param_specs, tx, layout: Layout):
     """PartitionSpecs of the state dict, for shard_map in/out specs and shardings."""
     zspecs = zero_specs(param_specs)
     dummy = jax.tree.map(lambda _: jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), param_specs)
@@ -293,23 +207,23 @@ def state_specs(param_specs, tx, policy):
                                 transform_non_params=lambda _: P(),
                                 is_leaf=lambda x: isinstance(x, P))
     out = {"master": zspecs, "opt": opt}
-    if uses_error_feedback(policy):
+    if layout.error_feedback:
         out["ef"] = zspecs
-    if _powersgd(policy) is not None:
+    if layout.powersgd is not None:
         out["psgd_q"] = jax.tree.map(_q_spec, param_specs)
     return out
 
 
-def abstract_state(params, param_specs, mesh, tx, policy):
+def abstract_state(params, param_specs, mesh, tx, layout: Layout):
     """The state as jax.ShapeDtypeStruct with shardings (checkpoint restore target).
     `params`: the global working params, arrays or ShapeDtypeStruct."""
-    master = _state_leaves(params, param_specs, mesh, policy, lambda c, d: c)
+    master = _state_leaves(params, param_specs, mesh, layout, lambda c, d: c)
     state = {"master": master, "opt": jax.eval_shape(tx.init, master)}
-    if uses_error_feedback(policy):
-        state["ef"] = _state_leaves(params, param_specs, mesh, policy, lambda c, d: d * c)
-    if _powersgd(policy) is not None:
-        state["psgd_q"] = _q_leaves(params, param_specs, mesh, _powersgd(policy).rank)
-    specs = state_specs(param_specs, tx, policy)
+    if layout.error_feedback:
+        state["ef"] = _state_leaves(params, param_specs, mesh, layout, lambda c, d: d * c)
+    if layout.powersgd is not None:
+        state["psgd_q"] = _q_leaves(params, param_specs, mesh, layout.powersgd.rank)
+    specs = state_specs(param_specs, tx, layout)
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
         state, specs)
@@ -324,12 +238,12 @@ def _own_slice(param, multiple):
     return own.reshape(1, 1, 1, c)
 
 
-def init_state(params, param_specs, mesh, tx, policy):
+def init_state(params, param_specs, mesh, tx, layout: Layout):
     """The state dict, created in its shardings: master = exact float32 slices of
     `params` (global working params), opt = tx.init(master), ef = zeros,
     psgd_q = standard normal from powersgd.Q_SEED (the same on every data rank)."""
-    multiple = layout_multiple(policy)
-    specs = state_specs(param_specs, tx, policy)
+    multiple = layout.multiple
+    specs = state_specs(param_specs, tx, layout)
     slicer = jax.shard_map(lambda p: jax.tree.map(lambda x: _own_slice(x, multiple), p),
                            mesh=mesh, in_specs=(param_specs,), out_specs=specs["master"])
     master = jax.jit(slicer)(params)
@@ -337,11 +251,11 @@ def init_state(params, param_specs, mesh, tx, policy):
     state = {"master": master,
              "opt": jax.jit(tx.init, out_shardings=jax.tree.map(sharding, specs["opt"]))(master)}
     if "ef" in specs:
-        shapes = abstract_state(params, param_specs, mesh, tx, policy)["ef"]
+        shapes = abstract_state(params, param_specs, mesh, tx, layout)["ef"]
         state["ef"] = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
                               out_shardings=jax.tree.map(lambda a: a.sharding, shapes))()
     if "psgd_q" in specs:
-        shapes = abstract_state(params, param_specs, mesh, tx, policy)["psgd_q"]
+        shapes = abstract_state(params, param_specs, mesh, tx, layout)["psgd_q"]
         state["psgd_q"] = jax.jit(lambda: powersgd.init_qs(shapes),
                                   out_shardings=jax.tree.map(lambda a: a.sharding, shapes))()
     return state
@@ -396,12 +310,12 @@ def _lax_buckets(flats, send, to_rows, from_rows, bucket_bytes):
                     lambda buf, axes, key: send(buf), None, bucket_bytes)
 
 
-def _gather_params(master_leaves, p_leaves, codec, key, bucket_bytes):
+def _gather_params(master_leaves, p_leaves, message, key, bucket_bytes):
     """(1, 1, 1, c) master shards -> working params: gathered over 'data' (invariant
     there), un-padded, reshaped to the local param shapes and cast to their dtypes."""
-    flats = [m.reshape(-1) for m in master_leaves]
-    with message_scope(PARAM_GATHER):
-        if codecs.parse(codec).kind == "identity":
+    flats, codec = [m.reshape(-1) for m in master_leaves], message.codec
+    with message_scope(message.name):
+        if codec.kind == "identity":
             d = lax.axis_size("data")
             gathered = _lax_buckets(
                 flats, lambda buf: lax.all_gather(buf, "data", axis=0, tiled=True,
@@ -413,15 +327,15 @@ def _gather_params(master_leaves, p_leaves, codec, key, bucket_bytes):
     return [x[:p.size].reshape(p.shape).astype(p.dtype) for x, p in zip(gathered, p_leaves)]
 
 
-def _reduce(flats, res, codec, key, bucket_bytes):
+def _reduce(flats, res, message, key, bucket_bytes):
     """Sums the [D*c] buffers over 'data' -> (this rank's [c] slices, new residuals or None).
 
     A reduce-scatter at either ZeRO stage: each rank keeps only its slice of the sum,
     so an all-reduce would send twice the bytes for the same update."""
-    kw = dict(scatter_dimension=0, tiled=True, codec=codec, key=key, rows="flat",
+    kw = dict(scatter_dimension=0, tiled=True, codec=message.codec, key=key, rows="flat",
               bucket_bytes=bucket_bytes)
-    with message_scope(GRAD_REDUCE):
-        if res is None and codecs.parse(codec).kind == "identity":
+    with message_scope(message.name):
+        if res is None and message.codec.kind == "identity":
             d = lax.axis_size("data")
             return _lax_buckets(
                 flats, lambda buf: lax.psum_scatter(buf, "data", scatter_dimension=0, tiled=True),
@@ -431,42 +345,38 @@ def _reduce(flats, res, codec, key, bucket_bytes):
         return cc.psum_scatter(flats, "data", **kw), None
 
 
-def _check_args(stage, clip_norm):
-    if stage not in (1, 2) or isinstance(stage, bool):
-        raise ValueError(f"stage must be 1 or 2; got {stage!r}")
-    _check("clip_norm", _number("clip_norm", clip_norm), clip_norm >= 0, ">= 0 (0 disables)")
+def _check_clip_norm(clip_norm):
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real):
+        raise TypeError(f"clip_norm must be a number; got {clip_norm!r}")
+    if not math.isfinite(clip_norm) or clip_norm < 0:
+        raise ValueError(f"clip_norm must be >= 0 (0 disables); got {clip_norm}")
 
 
-def _sent(policy, grad_codec, param_codec):
-    """The codecs to send (the layout policy's where None). A phase may drop
-    PowerSGD but not bring in another one: Q's shape is the layout's."""
-    g = codecs.parse(policy["data", "grad"] if grad_codec is None else grad_codec)
-    p = codecs.parse(policy["data", "param"] if param_codec is None else param_codec)
-    if g.kind == "lowrank" and g != _powersgd(policy):
-        raise ValueError(f"grad_codec={g} needs the PowerSGD state of that codec; "
-                         f"the layout policy has data.grad={policy['data', 'grad']}")
+def _check_plan(plan, layout: Layout):
+    """A phase's plan fits the layout: it may drop PowerSGD but not bring in
+    another one (Q's shape is the layout's); parameter gathers send byte codecs."""
+    g, p = plan.grad_reduce.codec, plan.param_gather.codec
+    if g.kind == "lowrank" and g != layout.powersgd:
+        raise ValueError(f"grad_reduce={g} needs the PowerSGD state of that codec; "
+                         f"the layout has powersgd={layout.powersgd}")
     if p.kind in ("lowrank", "learned"):
-        raise ValueError(f"param_codec={p}: parameter gathers take a byte codec")
-    return g, p
+        raise ValueError(f"param_gather={p}: parameter gathers take a byte codec")
 
 
-def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip_norm=0.0,
-                  grad_codec=None, param_codec=None, step=None, key=None,
-                  bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
+def apply_updates(grads, params, zstate, *, tx, plan, layout: Layout, param_specs,
+                  clip_norm=0.0, step=None, key=None, bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
     """One ZeRO step inside shard_map over ('data', 'tensor', 'pipeline').
 
     grads:   local gradients, local param shapes, varying over 'data' (this rank's
              mean loss over its own rows) and over the axes of each param's spec.
     params:  local working params (shapes and dtypes of the result).
-    zstate:  local blocks of the state dict (see the module docstring).
-    stage:   1 or 2 (ZeRO); both reduce-scatter plain gradients; PowerSGD, whose
-             factors are all-reduced, needs 1 (ValueError otherwise).
-    policy:  decides the state layout (residuals, PowerSGD Q, shard padding).
-    grad_codec, param_codec: what the gradient reduction and the parameter
-             gather send (the message plan's grad_reduce and param_gather);
-             None: `policy`'s data.grad / data.param. Residuals pass a lossless
-             codec exactly; a gradient codec other than the layout's PowerSGD
-             leaves Q as it was.
+    zstate:  local blocks of the state dict (see the module docstring), built
+             for `layout`.
+    plan:    the phase's jcomp.gpt.messages.Plan: its grad_reduce and
+             param_gather say what the gradient reduction and the parameter
+             gather send, under their names. Residuals pass a lossless codec
+             exactly; a gradient codec other than the layout's PowerSGD leaves
+             Q as it was.
     `key` (folded with `step` when given) feeds codecs that draw randomness.
     bucket_bytes: the gradient reduction and the parameter gather send the leaves
              in flat buffers of at most this many bytes (`jcomp.collectives`).
@@ -476,14 +386,13 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
                     gradient units, before the /D), when error feedback is on}).
     A non-finite gradient gives a non-finite grad_norm and update, never a finite one.
     """
-    _check_args(stage, clip_norm)
-    ef_on, psgd = uses_error_feedback(policy), _powersgd(policy)
+    _check_clip_norm(clip_norm)
+    _check_plan(plan, layout)
+    ef_on, psgd = layout.error_feedback, layout.powersgd
     for name, on in (("ef", ef_on), ("psgd_q", psgd is not None)):
         if on != (name in zstate):
             raise ValueError(f"zstate[{name!r}] must be {'present' if on else 'absent'} for "
-                             f"policy {policy}; build the state with init_state for this policy")
-    check_stage(policy, stage)
-    g_codec, param_codec = _sent(policy, grad_codec, param_codec)
+                             f"{layout}; build the state with init_state for this layout")
     if key is not None and step is not None:
         key = jax.random.fold_in(key, step)
     k_grad, k_param = (None, None) if key is None else tuple(jax.random.split(key))
@@ -492,17 +401,17 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     axes = [_spec_axes(s) for s in treedef.flatten_up_to(param_specs)]
     p_leaves = treedef.flatten_up_to(params)
     masters = treedef.flatten_up_to(zstate["master"])
-    flats = _padded_grads(grads, p_leaves, masters, axes, layout_multiple(policy))
+    flats = _padded_grads(grads, p_leaves, masters, axes, layout.multiple)
     res_leaves = treedef.flatten_up_to(zstate["ef"]) if ef_on else None
     res = [r.reshape(-1) for r in res_leaves] if ef_on else None
     new_qs = None
-    if isinstance(g_codec, powersgd.PowerSGD):
+    if isinstance(plan.grad_reduce.codec, powersgd.PowerSGD):
         q_leaves = treedef.flatten_up_to(zstate["psgd_q"])
-        with message_scope(GRAD_REDUCE):
+        with message_scope(plan.grad_reduce.name):
             own, new_qs, new_res = powersgd.reduce_shards(flats, p_leaves, q_leaves, res, psgd,
                                                           k_grad)
     else:
-        own, new_res = _reduce(flats, res, g_codec, k_grad, bucket_bytes)
+        own, new_res = _reduce(flats, res, plan.grad_reduce, k_grad, bucket_bytes)
         d = lax.axis_size("data")
         own = [o.astype(jnp.float32) / d for o in own]
     g_shards = [o.reshape(m.shape) for o, m in zip(own, masters)]
@@ -515,8 +424,8 @@ def apply_updates(grads, params, zstate, *, tx, policy, param_specs, stage, clip
     master_tree = jax.tree.unflatten(treedef, masters)
     updates, new_opt = tx.update(jax.tree.unflatten(treedef, g_shards), zstate["opt"], master_tree)
     new_master = optax.apply_updates(master_tree, updates)
-    new_params = _gather_params(treedef.flatten_up_to(new_master), p_leaves, param_codec, k_param,
-                                bucket_bytes)
+    new_params = _gather_params(treedef.flatten_up_to(new_master), p_leaves, plan.param_gather,
+                                k_param, bucket_bytes)
 
     new_state = {"master": new_master, "opt": new_opt}
     if psgd is not None:
