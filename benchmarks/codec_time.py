@@ -1,7 +1,7 @@
 """Where a policy's extra step time goes: the train step with one policy entry
 compressed at a time, timed side by side with the baseline and the whole policy.
 
-    python benchmarks/codec_time.py [--policy hybrid] [--shape 2,2,2] [--microbatches 2]
+    python -m benchmarks.codec_time [--policy hybrid] [--shape 2,2,2] [--microbatches 2]
                                     [--entries data.grad ...] [--repeats 11] [--json PATH]
                                     [--flat-rows] [--quick]
                                     [--d-model 128 --layers 4 --heads 4 --seq 128 --batch 16]
@@ -39,9 +39,7 @@ import sys  # noqa: E402
 
 import jax  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import parallel as bench_parallel  # noqa: E402  (benchmarks/parallel.py)
-
+from benchmarks import parallel as bench_parallel  # noqa: E402
 from jcomp.gpt import mesh as jmesh  # noqa: E402
 from jcomp.gpt import parallel  # noqa: E402
 from jcomp.gpt import policy as policy_lib  # noqa: E402
@@ -149,7 +147,7 @@ def main(argv=None) -> int:
     print(f"policy {args.policy} on mesh {args.shape}, M={args.microbatches}, model {cfg}, "
           f"batch {args.batch}, {args.repeats} timed steps each, interleaved")
     print(table(rows))
-    out = dict(command="python benchmarks/codec_time.py " + " ".join(argv or sys.argv[1:]),
+    out = dict(command="python -m benchmarks.codec_time " + " ".join(argv or sys.argv[1:]),
                commit=_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                    timespec="seconds"), jax_version=jax.__version__,
                backend=jax.default_backend(), policy=args.policy, shape=list(args.shape),

@@ -1,8 +1,8 @@
 """Benchmark of jcomp's compressed collectives against the jax.lax ops they replace.
 
-    python benchmarks/collectives.py [--sizes 64Ki 1Mi] [--ops psum ...] [--codecs int8 ...]
+    python -m benchmarks.collectives [--sizes 64Ki 1Mi] [--ops psum ...] [--codecs int8 ...]
                                      [--repeats 5] [--json PATH] [--quick]
-    python benchmarks/collectives.py --sizes    # bytes only, sizes 1..1Mi, axes 2..8
+    python -m benchmarks.collectives --sizes    # bytes only, sizes 1..1Mi, axes 2..8
 
 For every op x codec x size (per-device float32 elements) it reports the bytes
 one device sends per call, read from the compiled program by `jcomp.meter.wire`, and
@@ -332,7 +332,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args, ap = parse_args(argv)
     if args.sizes == []:
-        import sizes  # beside this script
+        from benchmarks import sizes
         return sizes.main([])
     mesh = jmesh.make_mesh(mesh_sizes(jax.device_count()))
     data = mesh.shape["data"]

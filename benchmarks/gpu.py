@@ -1,7 +1,7 @@
 """Codec, collective and train-step speed on whatever accelerator JAX finds, in one call.
 
     pip install -e '.[cuda12]'          # on a GPU machine
-    python benchmarks/gpu.py [--sizes-mib 1 4 16 64 256] [--codecs bf16 fp8 int8 int4 int2 topk:0.01]
+    python -m benchmarks.gpu [--sizes-mib 1 4 16 64 256] [--codecs bf16 fp8 int8 int4 int2 topk:0.01]
         [--ops psum psum_scatter all_gather ppermute all_to_all] [--op-mib 64]
         [--config configs/base.py] [--policies baseline hybrid] [--train-steps 20]
         [--repeats 10] [--json benchmarks/results/gpu.json] [--tiny]
@@ -36,7 +36,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import importlib.util  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -47,11 +46,11 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
+from benchmarks import collectives as collectives_bench  # noqa: E402
 from jcomp import codecs  # noqa: E402
 from jcomp.gpt import mesh as jmesh  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULTS = dict(sizes_mib=[1, 4, 16, 64, 256], codecs=["bf16", "fp8", "int8", "int4", "int2",
                                                          "topk:0.01"],
@@ -61,14 +60,6 @@ DEFAULTS = dict(sizes_mib=[1, 4, 16, 64, 256], codecs=["bf16", "fp8", "int8", "i
 TINY = dict(sizes_mib=[1], codecs=["bf16", "int8"], ops=["psum", "all_gather"], op_mib=0.25,
             config="configs/tiny.py", policies=["baseline"], train_steps=3, repeats=3)
 WARM_STEPS = 2
-
-
-def _collectives_module():
-    spec = importlib.util.spec_from_file_location("bench_collectives",
-                                                  os.path.join(ROOT, "benchmarks", "collectives.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _median_time(fn, *args, repeats: int) -> float:
@@ -108,7 +99,7 @@ def bench_codecs(sizes_mib, codec_names, repeats: int) -> list[dict]:
 
 def bench_collectives(ops, codec_names, op_mib: float, repeats: int) -> dict:
     """Every op with each codec beside its jax.lax twin ('none'), on all devices."""
-    col = _collectives_module()
+    col = collectives_bench
     sizes = col.mesh_sizes(jax.device_count())
     mesh = jmesh.make_mesh(sizes)
     size = max(int(op_mib * (1 << 20)) // 4 // 256 * 256, 256)
@@ -177,7 +168,7 @@ def main(argv=None) -> int:
     try:
         for c in args.codecs:
             codecs.parse(c)
-        bad = [o for o in args.ops if o not in _collectives_module().OPS]
+        bad = [o for o in args.ops if o not in collectives_bench.OPS]
         if bad:
             raise ValueError(f"--ops: unknown {bad}")
         if min(args.sizes_mib) <= 0 or args.op_mib <= 0 or args.repeats < 1 or \
@@ -188,7 +179,7 @@ def main(argv=None) -> int:
         print(f"gpu.py: error: {e}", file=sys.stderr)
         return 2
     devices = jax.devices()
-    out = dict(command="python benchmarks/gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    out = dict(command="python -m benchmarks.gpu " + " ".join(sys.argv[1:] if argv is None else argv),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                backend=jax.default_backend(), device_kind=devices[0].device_kind,
                device_count=len(devices), jax_version=jax.__version__, repeats=args.repeats)

@@ -1,7 +1,7 @@
 """A MaxText-shaped `jax.jit` train step, plain and with jcomp's gradient reduction.
 
-    python benchmarks/jit_step.py [--codec int8] [--microbatches 1] [--repeats 5]
-                                  [--steps 20] [--out benchmarks/results/jit_step.json]
+    python -m benchmarks.jit_step [--codec int8] [--microbatches 1] [--repeats 5]
+                                  [--steps 20] [--out benchmarks/results/jit_step/CODEC.json]
 
 The step: a Flax model whose parameters carry logical axis names, mapped to
 a (data 4, model 2) Auto mesh by logical axis rules; bf16 parameters (the
@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 if __name__ == "__main__":
@@ -36,9 +35,8 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jcomp import collectives as cc  # noqa: E402
-from jcomp.meter import wire  # noqa: E402
+from jcomp import collectives as cc
+from jcomp.meter import wire
 
 RULES = (("batch", "data"), ("embed", None), ("mlp", "model"), ("vocab", "model"))
 VOCAB, EMBED, MLP, LAYERS, SEQ = 256, 128, 512, 2, 8

@@ -1,6 +1,6 @@
 """Benchmark of the full 3-D parallel train step per mesh shape and policy.
 
-    python benchmarks/parallel.py [--shapes 8,1,1 2,2,2 1,2,4] [--policies baseline hybrid naive]
+    python -m benchmarks.parallel [--shapes 8,1,1 2,2,2 1,2,4] [--policies baseline hybrid naive]
                                   [--microbatches 1 2 4] [--repeats 5] [--json PATH] [--quick]
                                   [--d-model 128 --layers 4 --heads 4 --seq 128 --batch 16]
 

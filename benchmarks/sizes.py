@@ -1,7 +1,7 @@
 """Bytes of every compressed collective against its jax.lax twin, at every size.
 
-    python benchmarks/collectives.py --sizes          # the default grid below
-    python benchmarks/sizes.py [--elements 1 7 100] [--axis-sizes 2 4] [--codecs int8 ...]
+    python -m benchmarks.collectives --sizes          # the default grid below
+    python -m benchmarks.sizes [--elements 1 7 100] [--axis-sizes 2 4] [--codecs int8 ...]
 
 For each axis size n, op, codec and per-device operand size it compiles the
 `jcomp.collectives` call and the `jax.lax` call on a 1-D mesh of n emulated

@@ -10,11 +10,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import jit_step as js
 from jcomp import collectives as cc
 from jcomp.meter import wire
-from tests import benchscripts
-
-js = benchscripts.load("jit_step")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests import benchscripts
+from benchmarks import sizes
 from jcomp import codecs
 from jcomp import collectives as cc
 from jcomp.meter import wire
@@ -29,7 +29,7 @@ def _put(mesh, x, spec=P("x")):
 
 
 def _sizes_module():
-    return benchscripts.load("sizes")
+    return sizes
 
 
 def test_no_cell_sends_more_than_lax_except_named_raw_sends():

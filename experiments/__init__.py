@@ -1,0 +1,1 @@
+"""Studies: convergence, a throttled link, the cost model, RESULTS.md (python -m experiments.X)."""

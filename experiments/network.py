@@ -1,0 +1,484 @@
+"""Wall-clock of train.py over a real, throttled link: N processes of train.py in
+a private network namespace whose loopback is rate-limited by tc's token bucket.
+
+    python -m experiments.network [--procs 2] [--config configs/base.py] [--steps 14]
+        [--rates unthrottled 1gbit 300mbit 100mbit] [--policies baseline naive hybrid best]
+        [--repeats 3] [--ttl-rate 100mbit] [--ttl-steps 28] [--out experiments/results/network.json]
+        [--set train.batch_size=16 ...] [--timeout 900]
+
+Needs root and iproute2 (`ip`, `tc`); without them it prints one line and exits 2.
+With --procs 4 (2 devices each) the mesh's data axis must split across the
+processes, as train.py feeds each process the batch rows of its own data
+index: e.g. --set mesh.data=4 --set mesh.tensor=2 --set mesh.pipeline=1.
+The namespace (named jcnet-<pid>) holds only a loopback, so no byte can leave
+it; it is removed on every way out (done, error, Ctrl-C, SIGTERM), and one left
+behind by a killed run (its pid gone) is removed on the next start.
+
+Under gloo every collective crosses TCP, even between two devices of one
+process, so the whole mesh sits behind the throttled link and the kernel's byte
+counter on the namespace's loopback measures what the step really sends. Per
+row (rate x policy) it records:
+  - the median `step_time_s` of metrics.jsonl over the steps after the first
+    --warm-steps (compilation is never inside it: train.py compiles before it
+    starts the clock; the first steps still set up gloo's connections);
+  - the kernel's bytes per steady-state step: the launcher polls metrics.jsonl
+    (one record per step) every few milliseconds and reads the lo counters
+    when a step's record appears; a step's bytes are the difference to the
+    previous step's reading. The first --warm-steps steps, and every step that
+    also evaluated (its record has val_loss), are left out; what came before
+    step 1's record (coordinator, compile-time exchanges, the first
+    broadcast, step 1) is reported apart as startup bytes;
+  - `jcomp.meter.wire`'s bytes for the same compiled step: metrics.jsonl's
+    wire_bytes_total is per device, averaged over the mesh, so the link should
+    carry it times the number of devices;
+  - what TCP carried: the kernel's bytes less 66 header bytes (Ethernet 14,
+    IPv4 20, TCP 32 with timestamps) per packet, and the TCP segments
+    retransmitted (the namespace's /proc/net/snmp);
+  - the collectives per step jcomp.meter.wire counts (metrics' wire_collectives;
+    --count-collectives adds it to rows recorded before it was logged);
+  - losses per step and validation losses.
+Every row runs --repeats times, repeat-major (every rate and policy once, then
+again), so that a slow minute on this shared machine lands on one run of each
+row rather than on all runs of one; linkprofile.py reads a row as the median
+of its runs, and the report shows their spread.
+Time to the baseline's loss: at --ttl-rate every policy, the baseline too,
+runs again for --ttl-steps steps, evaluating every --ttl-eval-every steps; the
+training time (sum of step times, evaluation excluded) until the first
+validation loss at or below the baseline's final one in its --steps run at
+that rate, or "not reached". All time-to-loss runs share one learning-rate
+schedule (cosine over --ttl-steps), so they differ only by policy.
+
+Results go to --out (JSON, written after every row). A row already there with
+the same settings and git commit is skipped, so an interrupted sweep resumes
+(rows made with modified tracked files are never reused); rows of other
+commits are kept beside the new ones.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from tools.netns import PREFIX, Namespace, Unavailable, rate_bits, remove_stale  # noqa: F401
+from tools.netns import _run, signals_deferred, unavailable_reason  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join("experiments", "results", "network.json")
+TOTAL_DEVICES = 8
+POLICIES = {  # name -> config.compression overrides
+    "baseline": {"policy": "baseline"},
+    "naive": {"policy": "naive"},
+    # The preset of the commit that runs it: report_network.HYBRID_PRESETS says what
+    # it was at each commit (before 3c5f7d1, the paper's recipe, now hybrid_paper).
+    "hybrid": {"policy": "hybrid"},
+    # The 200-step runs' best setting, which meets both targets at a quarter of the
+    # bytes: the paper's recipe with int8 gradients and int4 tensor act_grad.
+    "best": {"policy": "hybrid_paper", "error_feedback": "off", "data.grad": "int8",
+             "tensor.act_grad": "int4"},
+}
+
+
+# ---------------------------------------------------------------- one run
+
+def _flags(policy: str, overrides: dict) -> list[str]:
+    out = []
+    for key, value in POLICIES[policy].items():
+        out.append(f"--config.compression.{key}={value}")
+    out += [f"--config.{k}={v}" for k, v in overrides.items()]
+    return out
+
+
+def _kill(procs):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def _new_records(path, state):
+    """Complete lines appended to metrics.jsonl since the last call."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(state["offset"])
+            chunk = f.read()
+    except FileNotFoundError:
+        return []
+    end = chunk.rfind(b"\n") + 1
+    state["offset"] += end
+    return [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+
+
+def launch(ns: Namespace, settings: dict, workdir: str, timeout: float, port: int,
+           xla_flags: str = "") -> dict:
+    """Runs train.py as settings['procs'] processes inside `ns`; returns the raw
+    measurements (records, lo counters at each step's record, times)."""
+    n = settings["procs"]
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={settings['config']}",
+           f"--workdir={workdir}", f"--config.train.steps={settings['steps']}",
+           "--config.train.log_every=1", f"--config.train.eval_every={settings['eval_every']}",
+           f"--config.optim.warmup_steps={settings['warmup_steps']}",
+           f"--config.checkpoint.every={settings['steps']}",
+           *_flags(settings["policy"], settings["set"]),
+           f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={n}",
+           f"--cpu_devices={TOTAL_DEVICES // n}"]
+    env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
+    for name in ("JCOMP_COORDINATOR", "JCOMP_NUM_PROCESSES", "JCOMP_PROCESS_ID"):
+        env.pop(name, None)
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    state, records, marks = {"offset": 0}, [], {}
+    procs = []
+    before = ns.counters()
+    t0 = time.monotonic()
+    try:
+        for i in range(n):
+            log = open(os.path.join(workdir, f"process{i}.log"), "w")
+            with signals_deferred():  # a signal inside Popen would lose the child
+                procs.append(subprocess.Popen(ns.exec_args(cmd + [f"--process_id={i}"]),
+                                              cwd=ROOT, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+        while True:
+            new = _new_records(metrics, state)
+            if new:
+                reading = (ns.counters(), time.monotonic() - t0)
+                for r in new:
+                    marks[r["step"]] = reading
+                records += new
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0) for c in codes):
+                time.sleep(2)  # let the other process write its error too
+                raise RuntimeError(f"train.py exited with {codes}")
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"timed out after {timeout:.0f} s "
+                                   f"(at step {max(marks, default=0)} of {settings['steps']})")
+            time.sleep(0.005)
+        records += _new_records(metrics, state)
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"train.py exited with {[p.returncode for p in procs]}")
+    except RuntimeError as e:
+        tail = ""
+        for i in range(len(procs)):
+            with open(os.path.join(workdir, f"process{i}.log"), errors="replace") as f:
+                lines = [l for l in f.read().splitlines() if l.strip() and "Gloo" not in l]
+            tail += f" | process {i}: {' / '.join(lines[-3:])}"
+        raise RuntimeError(f"{e}{tail}") from None
+    finally:
+        _kill(procs)
+    return dict(records=records, marks=marks, before=before, after=ns.counters(),
+                wall_s=time.monotonic() - t0, header_bytes=ns.header_bytes())
+
+
+def summarize(raw: dict, warm_steps: int) -> dict:
+    """A row's figures from launch()'s measurements (see the module doc)."""
+    by_step = {}
+    for r in raw["records"]:
+        by_step[r["step"]] = {**by_step.get(r["step"], {}), **r}
+    steps = sorted(by_step)
+    last = steps[-1]
+    static = next(r for r in raw["records"] if "wire_bytes_total" in r)
+    devices = int(static["devices"])
+    marks = raw["marks"]
+    evals = {s for s in steps if "val_loss" in by_step[s]}
+    window = [s for s in steps if s > warm_steps and s not in evals and s - 1 in marks]
+    deltas = [marks[s][0][0] - marks[s - 1][0][0] for s in window]
+    packets = [marks[s][0][1] - marks[s - 1][0][1] for s in window]
+    retrans = [marks[s][0][2] - marks[s - 1][0][2] for s in window]
+    times = [by_step[s]["step_time_s"] for s in steps if s > warm_steps]
+    meter = float(static["wire_bytes_total"]) * devices
+    kernel = sum(deltas) / len(deltas) if deltas else None
+    per_packet = sum(packets) / len(packets) if packets else None
+    # What TCP carried: the kernel's bytes less every packet's headers (the ACKs'
+    # included), i.e. gloo's payload, its own framing and any retransmission.
+    payload = kernel - raw["header_bytes"] * per_packet if deltas else None
+    return dict(
+        median_step_s=statistics.median(times), step_times_s=[by_step[s]["step_time_s"] for s in steps],
+        losses=[by_step[s]["loss"] for s in steps],
+        val_losses={str(s): by_step[s]["val_loss"] for s in sorted(evals)},
+        # val_loss is the exact forward's since row-local blocks (train.py writes
+        # val_loss_compressed beside it); rows without this mark were read
+        # through a compressed forward whose blocks spanned tokens.
+        exact_eval=True,
+        final_loss=by_step[last]["loss"], final_val_loss=by_step[last].get("val_loss"),
+        devices=devices,
+        wire_bytes_per_device={k[len("wire_bytes_"):]: v for k, v in static.items()
+                               if k.startswith("wire_bytes_")},
+        collectives_per_step=static.get("wire_collectives"),
+        meter_bytes_per_step=meter, kernel_bytes_per_step=kernel,
+        kernel_over_meter=kernel / meter if kernel is not None and meter else None,
+        kernel_bytes_by_step=dict(zip(map(str, window), deltas)),
+        kernel_packets_per_step=per_packet, header_bytes_per_packet=raw["header_bytes"],
+        tcp_payload_per_step=payload,
+        payload_over_meter=payload / meter if payload is not None and meter else None,
+        retransmitted_segments_per_step=sum(retrans) / len(retrans) if retrans else None,
+        kernel_window_steps=window,
+        startup_bytes=marks[steps[0]][0][0] - raw["before"][0] if steps[0] in marks else None,
+        after_last_step_bytes=raw["after"][0] - marks[last][0][0] if last in marks else None,
+        wall_s=raw["wall_s"], first_step_at_s=marks[steps[0]][1] if steps[0] in marks else None)
+
+
+# ---------------------------------------------------------------- the sweep
+
+def git_commit() -> tuple[str, bool]:
+    """(HEAD, whether tracked files differ from it)."""
+    try:
+        head = _run("git", "-C", ROOT, "rev-parse", "HEAD").stdout.strip()
+        dirty = bool(_run("git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no")
+                     .stdout.strip())
+        return head, dirty
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", True
+
+
+def plan(args) -> list[dict]:
+    """Every row's settings, sweep rows first, then the time-to-loss rows."""
+    common = dict(procs=args.procs, config=args.config, warmup_steps=args.warmup_steps,
+                  set=dict(args.set))
+    rows = [dict(common, kind="sweep", rate=r, policy=p, steps=args.steps, eval_every=args.steps,
+                 repeat=i)
+            for i in range(args.repeats) for r in args.rates for p in args.policies]
+    if args.ttl_rate:
+        rows += [dict(common, kind="ttl", rate=args.ttl_rate, policy=p, steps=args.ttl_steps,
+                      eval_every=args.ttl_eval_every)
+                 for p in args.policies]
+    return rows
+
+
+def time_to_target(rows: list[dict], rate: str) -> dict | None:
+    """At `rate`: the baseline's final val_loss in its sweep run and, per policy,
+    the training time (sum of step times) to the first validation loss at or
+    below it in that policy's time-to-loss run (the baseline's own sweep run
+    where it has none). Each is the newest such row, whatever its commit:
+    training is deterministic, so a loss does not depend on when it was run.
+    A compressed policy's row counts only if it was evaluated exactly
+    (`exact_eval`): earlier ones read the loss through a forward whose blocks
+    spanned tokens, which leaked the next token."""
+    ok = sorted((r for r in rows if r["settings"]["rate"] == rate and "error" not in r
+                 and (r.get("exact_eval") or r["settings"]["policy"] == "baseline")),
+                key=lambda r: r["date"], reverse=True)
+    base = next((r for r in ok if r["settings"]["kind"] == "sweep"
+                 and r["settings"]["policy"] == "baseline" and r.get("final_val_loss")), None)
+    if base is None:
+        return None
+    target = base["final_val_loss"]
+    out = {"rate": rate, "target_val_loss": target, "target_commit": base["commit"],
+           "policies": {}}
+    for r in sorted(ok, key=lambda r: r["settings"]["kind"] != "ttl"):  # stable: newest first
+        name = r["settings"]["policy"]
+        if name in out["policies"] or (r["settings"]["kind"] != "ttl" and r is not base):
+            continue
+        hit = next((int(s) for s, v in sorted(r["val_losses"].items(), key=lambda kv: int(kv[0]))
+                    if v <= target), None)
+        out["policies"][name] = dict(
+            kind=r["settings"]["kind"], commit=r["commit"],
+            steps_run=r["settings"]["steps"], reached=hit is not None, step=hit,
+            time_s=sum(r["step_times_s"][:hit]) if hit else None,
+            best_val_loss=min(r["val_losses"].values()) if r["val_losses"] else None)
+    return out
+
+
+def _load(path):
+    if not os.path.exists(path):
+        return {"rows": []}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _save(path, data):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+
+
+def _line(row) -> str:
+    s = row["settings"]
+    if "error" in row:
+        return f"{s['kind']:>5} {s['rate']:>11} {s['policy']:>8}: FAILED: {row['error'][:300]}"
+    k = row["kernel_bytes_per_step"]
+    return (f"{s['kind']:>5} {s['rate']:>11} {s['policy']:>8}: step {row['median_step_s']:.3f} s, "
+            f"kernel {k / 1e6 if k else float('nan'):.2f} MB/step, meter "
+            f"{row['meter_bytes_per_step'] / 1e6:.2f} MB/step (kernel/meter "
+            f"{row['kernel_over_meter'] or float('nan'):.3f}, TCP payload/meter "
+            f"{row['payload_over_meter'] or float('nan'):.3f}), final loss {row['final_loss']:.4f}"
+            + (f", val {row['final_val_loss']:.4f}" if row.get("final_val_loss") else "")
+            + f", wall {row['wall_s']:.0f} s")
+
+
+def sweep(args) -> int:
+    commit, dirty = git_commit()
+    data = _load(args.out)
+    done = {json.dumps(r["settings"], sort_keys=True) for r in data["rows"]
+            if r.get("commit") == commit and not r.get("dirty") and "error" not in r}
+    todo = [s for s in plan(args) if json.dumps(s, sort_keys=True) not in done]
+    print(f"network.py: {len(todo)} runs to do, {len(plan(args)) - len(todo)} already in "
+          f"{args.out} for commit {commit[:7]}" + (" (tracked files modified)" if dirty else ""),
+          flush=True)
+    failed = 0
+    remove_stale()
+    os.makedirs(args.workroot, exist_ok=True)
+    with Namespace() as ns:
+        for n, settings in enumerate(todo):
+            ns.set_rate(settings["rate"])
+            workdir = tempfile.mkdtemp(prefix=f"{settings['policy']}-", dir=args.workroot)
+            row = dict(settings=settings, commit=commit, dirty=dirty, qdisc=ns.qdisc(),
+                       namespace=ns.name,
+                       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       loadavg_before=os.getloadavg()[0])
+            try:
+                raw = launch(ns, settings, workdir, args.timeout, args.port + n, args.xla_flags)
+                row.update(summarize(raw, args.warm_steps))
+                shutil.rmtree(workdir, ignore_errors=True)
+            except (RuntimeError, KeyError, ValueError, StopIteration) as e:
+                row["error"] = f"{type(e).__name__}: {e} (logs in {workdir})"
+                failed += 1
+            row["loadavg_after"] = os.getloadavg()[0]
+            data["rows"] = [r for r in data["rows"] if not (
+                r["settings"] == settings and (r.get("commit") == commit or "error" in r))] + [row]
+            data["warm_steps"] = args.warm_steps
+            data["ttl"] = time_to_target(data["rows"], args.ttl_rate) if args.ttl_rate else None
+            _save(args.out, data)
+            print(f"[{n + 1}/{len(todo)}] {_line(row)}", flush=True)
+    ttl = data.get("ttl")
+    if ttl:
+        print(f"time to the baseline's val_loss {ttl['target_val_loss']:.4f} at {ttl['rate']}:")
+        for name, t in ttl["policies"].items():
+            print(f"  {name:>8}: " + (f"{t['time_s']:.1f} s (step {t['step']})" if t["reached"]
+                                      else f"not reached in {t['steps_run']} steps"))
+    print(f"wrote {args.out}")
+    return 1 if failed else 0
+
+
+def count_collectives(args) -> int:
+    """Adds collectives_per_step (collective executions per step, read by jcomp.meter.wire
+    from the compiled step) to the rows of --out that lack it: one 2-step run of
+    train.py per policy, one process on 8 emulated devices (no socket is opened)."""
+    commit, _ = git_commit()
+    data = _load(args.out)
+    for policy in args.policies:
+        rows = [r for r in data["rows"] if r["settings"]["policy"] == policy
+                and r["settings"]["config"] == args.config and "error" not in r
+                and r.get("collectives_per_step") is None]
+        if not rows:
+            continue
+        with tempfile.TemporaryDirectory(prefix="count-") as workdir:
+            cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={args.config}",
+                   f"--workdir={workdir}", "--config.train.steps=2", "--config.optim.warmup_steps=1",
+                   "--config.train.log_every=1", *_flags(policy, dict(args.set))]
+            env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": (
+                f"--xla_force_host_platform_device_count={TOTAL_DEVICES} {args.xla_flags}").strip()}
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=args.timeout)
+            if proc.returncode:
+                print(f"network.py: {policy}: {proc.stderr.strip()[-300:]}", file=sys.stderr)
+                return 1
+            with open(os.path.join(workdir, "metrics.jsonl")) as f:
+                static = next(r for r in map(json.loads, f) if "wire_collectives" in r)
+        for r in rows:
+            if abs(static["wire_bytes_total"] * r["devices"] - r["meter_bytes_per_step"]) > 1:
+                print(f"network.py: {policy}: the compiled step now sends other bytes than in "
+                      f"its rows; not counted", file=sys.stderr)
+                return 1
+            r["collectives_per_step"] = static["wire_collectives"]
+            r["collectives_counted_at"] = commit
+        print(f"{policy}: {static['wire_collectives']:.1f} collectives per step", flush=True)
+    _save(args.out, data)
+    return 0
+
+
+def _key_value(item: str):
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set {item!r}: want KEY=VALUE, e.g. train.batch_size=16")
+    return key, value
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--procs", type=int, default=2, help="processes of train.py: 2 or 4 (see the module doc for 4)")
+    p.add_argument("--config", default="configs/base.py")
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--warm-steps", type=int, default=2, help="first steps left out of medians")
+    p.add_argument("--warmup-steps", type=int, default=2, help="optim.warmup_steps of every run")
+    p.add_argument("--rates", nargs="+", default=["unthrottled", "1gbit", "300mbit", "100mbit"])
+    p.add_argument("--repeats", type=int, default=3, help="runs of every sweep row")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--ttl-rate", default="100mbit", help="'' for no time-to-loss runs")
+    p.add_argument("--ttl-steps", type=int, default=None, help="default: 2 x --steps")
+    p.add_argument("--ttl-eval-every", type=int, default=2)
+    p.add_argument("--set", type=_key_value, action="append", default=[],
+                   help="config override KEY=VALUE for every run (e.g. train.batch_size=16)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run; killed after")
+    p.add_argument("--port", type=int, default=23456, help="first coordinator port (in the namespace)")
+    p.add_argument("--xla-flags", default="", help="XLA_FLAGS of the train.py processes")
+    p.add_argument("--workroot", default=os.path.join(tempfile.gettempdir(), "jcomp-network"))
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--count-collectives", action="store_true",
+                   help="only add collectives_per_step to the rows of --out that lack it")
+    args = p.parse_args(argv)
+    if args.procs not in (2, 4):
+        p.error(f"--procs must be 2 or 4; got {args.procs}")
+    for name in ("steps", "repeats", "ttl_eval_every", "timeout"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0; got {getattr(args, name)}")
+    if not 0 <= args.warm_steps < args.steps - 1:
+        p.error(f"--warm-steps must be >= 0 and < --steps - 1; got {args.warm_steps}")
+    if not 0 <= args.warmup_steps < args.steps:
+        p.error(f"--warmup-steps must be >= 0 and < --steps; got {args.warmup_steps}")
+    unknown = [x for x in args.policies if x not in POLICIES]
+    if unknown:
+        p.error(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+    try:
+        for r in args.rates + ([args.ttl_rate] if args.ttl_rate else []):
+            rate_bits(r)
+    except ValueError as e:
+        p.error(str(e))
+    if args.ttl_rate and args.ttl_rate not in args.rates:
+        p.error(f"--ttl-rate {args.ttl_rate} must be one of --rates (its baseline sets the target)")
+    args.ttl_steps = args.ttl_steps or 2 * args.steps
+    if not os.path.isabs(args.out):
+        args.out = os.path.join(os.getcwd(), args.out)
+    return args
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through the finally that removes the namespace
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.count_collectives:
+        return count_collectives(args)
+    reason = unavailable_reason()
+    if reason:
+        print(f"network.py: error: {reason}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_exit)
+    try:
+        return sweep(args)
+    except Unavailable as e:
+        print(f"network.py: error: cannot make a network namespace: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("network.py: interrupted; its processes are killed and its namespace removed "
+              "(rerun the same command to resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Maintenance tools: the regression check, network namespaces (python -m tools.NAME)."""
