@@ -32,6 +32,6 @@ Shape letters, used as suffixes (x_BxLxD) everywhere:
   S  a parameter block's flat length, c its ZeRO shard per data rank
 
 Partition specs name mesh axes ('data', 'tensor', 'pipeline'); parameters
-name logical axes (jcomp.gpt.model.PARAM_AXES), which jcomp.gpt.parallel.AXIS_RULES
+name logical axes (jcomp.gpt.model.PARAM_AXES), which jcomp.gpt.sharding.AXIS_RULES
 maps to mesh axes.
 """

@@ -45,7 +45,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Logical axes of each Block parameter (one layer), in the letters' names
 # (D embed, H heads, K head_dim, F mlp; qkv: the 3 of q, k, v). A layout maps
-# them to mesh axes (jcomp.gpt.parallel.AXIS_RULES); Megatron splits TENSOR_SPLIT.
+# them to mesh axes (jcomp.gpt.sharding.AXIS_RULES); Megatron splits TENSOR_SPLIT.
 PARAM_AXES = {
     ("ln1", "scale"): ("embed",),
     ("ln1", "bias"): ("embed",),

@@ -19,9 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp import collectives as cc
-from jcomp.gpt import parallel, zero
+from jcomp.gpt import parallel, sharding, zero
 
-DATA = parallel.DATA
+DATA = sharding.DATA
 
 
 def state_specs(param_specs, tx, layout: zero.Layout):
@@ -31,15 +31,15 @@ def state_specs(param_specs, tx, layout: zero.Layout):
 
 def init_state(params, mesh, tx, layout: zero.Layout):
     """Train state from global float32 params (placed on the mesh here)."""
-    specs = parallel.param_specs(params)
-    placed = parallel.shard_params(params, mesh)
+    specs = sharding.param_specs(params)
+    placed = sharding.shard_params(params, mesh)
     return {"params": placed, "zero": zero.init_state(placed, specs, mesh, tx, layout),
             "skipped": jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))}
 
 
 def abstract_state(params_shapes, mesh, tx, layout: zero.Layout):
     """ShapeDtypeStructs with shardings of the train state (checkpoint restore target)."""
-    specs = parallel.param_specs(params_shapes)
+    specs = sharding.param_specs(params_shapes)
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
     return {"params": jax.tree.map(sds, params_shapes, specs),
             "zero": zero.abstract_state(params_shapes, specs, mesh, tx, layout),
@@ -69,7 +69,7 @@ def make_train_step(model_cfg, mesh, plan, tx, params_shapes, *, layout: zero.La
     function of the state, so a resumed run draws what the uninterrupted one
     would. `bucket_bytes` bounds the flat buffers those two send.
     """
-    specs = parallel.param_specs(params_shapes)
+    specs = sharding.param_specs(params_shapes)
     sspecs = state_specs(specs, tx, layout)
     keyed = _draws_randomness(plan)
 
@@ -92,7 +92,7 @@ def make_train_step(model_cfg, mesh, plan, tx, params_shapes, *, layout: zero.La
             metrics["ef_norm"] = stats["ef_norm"]
         return new_state, metrics
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(sspecs, parallel.BATCH_SPEC),
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(sspecs, sharding.BATCH_SPEC),
                        out_specs=(sspecs, _metric_specs(layout)), check_vma=True)
     return jax.jit(fn, donate_argnums=0)
 
@@ -100,12 +100,12 @@ def make_train_step(model_cfg, mesh, plan, tx, params_shapes, *, layout: zero.La
 def make_eval_step(model_cfg, mesh, plan, params_shapes, *, microbatches):
     """A jitted fn(params, batch) -> mean loss over the batch, sending the
     forward messages of `plan` (the same compression as training)."""
-    specs = parallel.param_specs(params_shapes)
+    specs = sharding.param_specs(params_shapes)
 
     def body(params, batch):
         return lax.pmean(parallel.local_loss(params, batch, model_cfg, plan, microbatches), DATA)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, parallel.BATCH_SPEC),
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, sharding.BATCH_SPEC),
                                  out_specs=P(), check_vma=True))
 
 

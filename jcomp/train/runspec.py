@@ -19,7 +19,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jcomp.gpt import autoencoder, hyperparams, messages, parallel, zero
+from jcomp.gpt import autoencoder, hyperparams, messages, sharding, zero
 from jcomp.gpt import mesh as mesh_lib
 from jcomp.gpt import model as gpt
 from jcomp.gpt import policy as policy_lib
@@ -233,7 +233,7 @@ def validate(cfg, n_devices: int) -> RunSpec:
         raise UsageError(f"data.seq_len={cfg.data.seq_len} exceeds "
                          f"model.max_seq_len={model_cfg.max_seq_len}")
     try:
-        parallel.check_layout(model_cfg, mesh_shape, cfg.train.batch_size, cfg.train.microbatches)
+        sharding.check_layout(model_cfg, mesh_shape, cfg.train.batch_size, cfg.train.microbatches)
     except ValueError as e:
         raise UsageError(str(e).replace("batch_size", "train.batch_size")
                          .replace("microbatches=", "train.microbatches=")) from None

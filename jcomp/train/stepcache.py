@@ -17,16 +17,16 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jcomp.gpt import mesh as mesh_lib
-from jcomp.gpt import messages, parallel, policy, step
+from jcomp.gpt import messages, policy, sharding, step
 from jcomp.meter import wire
 
 
 def global_batch(mesh, local_rows, global_rows: int):
     """This process's rows int32 [B / processes, L + 1] as the global batch
     [global_rows, L + 1], sharded over the mesh's data axis."""
-    sharding = NamedSharding(mesh, parallel.BATCH_SPEC)
+    rows = NamedSharding(mesh, sharding.BATCH_SPEC)
     local = np.asarray(local_rows, np.int32)
-    return jax.make_array_from_process_local_data(sharding, local, (global_rows,) + local.shape[1:])
+    return jax.make_array_from_process_local_data(rows, local, (global_rows,) + local.shape[1:])
 
 
 class StepCache:

@@ -6,9 +6,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jcomp import collectives as cc
-from jcomp.gpt import messages, parallel
+from jcomp.gpt import messages, parallel, sharding
 
-DATA = parallel.DATA
+DATA = sharding.DATA
 
 
 def reduce_grads(grads, pol, key=None):
@@ -27,14 +27,14 @@ def make_loss_and_grad(cfg, mesh, pol, microbatches: int, remat: bool = False):
     plan = messages.plan(pol, cfg.n_layers, dict(mesh.shape))
 
     def step(params, batch):
-        specs = parallel.param_specs(params)
+        specs = sharding.param_specs(params)
 
         def body(params, batch):
             loss, grads = parallel.local_value_and_grad(params, batch, cfg, plan, microbatches,
                                                         remat)
             return lax.pmean(loss, DATA), reduce_grads(grads, pol)
 
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, parallel.BATCH_SPEC),
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, sharding.BATCH_SPEC),
                            out_specs=(P(), specs), check_vma=True)
         return fn(params, batch)
 

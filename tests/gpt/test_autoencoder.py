@@ -14,7 +14,7 @@ from jcomp import codecs
 from jcomp import collectives as cc
 from jcomp.gpt import mesh as jmesh
 from jcomp.gpt import model as gpt
-from jcomp.gpt import messages, parallel, policy
+from jcomp.gpt import messages, policy, sharding, tensor
 from jcomp.meter import wire
 
 CFG = gpt.ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=4, d_ff=64, max_seq_len=16)
@@ -91,8 +91,8 @@ def reference():
 
 def _run(mesh, pol, params, batch):
     fn = loss_and_grad.make_loss_and_grad(CFG, mesh, pol, microbatches=2)
-    placed = (parallel.shard_params(params, mesh),
-              jax.device_put(batch, NamedSharding(mesh, parallel.BATCH_SPEC)))
+    placed = (sharding.shard_params(params, mesh),
+              jax.device_put(batch, NamedSharding(mesh, sharding.BATCH_SPEC)))
     return fn, placed
 
 
@@ -129,7 +129,7 @@ def test_weights_present_but_not_in_the_policy_are_skipped(reference):
 
 def test_autoencoder_parameters_have_partition_dims():
     """Every Block parameter the autoencoder's coders create has logical axes,
-    none of them split (each tensor rank holds it whole), so parallel.param_specs
+    none of them split (each tensor rank holds it whole), so sharding.param_specs
     lays it out; without coders the model creates none of them."""
     keys = lambda layers: {tuple(getattr(k, "key", k) for k in p)
                            for p, _ in jax.tree_util.tree_leaves_with_path(layers)}
@@ -137,7 +137,7 @@ def test_autoencoder_parameters_have_partition_dims():
     plain = gpt.init_params(CFG, jax.random.key(0))
     assert keys(plain["layers"]) == set(gpt.PARAM_AXES)
     assert keys(with_ae["layers"]) == set(gpt.PARAM_AXES) | set(autoencoder.PARAM_AXES)
-    specs = parallel.param_specs(with_ae)["layers"]
+    specs = sharding.param_specs(with_ae)["layers"]
     assert all(tuple(specs[k[0]]) == ("pipeline", None, None) for k in autoencoder.PARAM_AXES)
 
 
@@ -151,10 +151,10 @@ def test_tensor_traffic_of_the_blocks_shrinks_to_dim_over_d_model():
 
     def traffic(pol):
         layers = gpt.init_params(cfg, jax.random.key(0), coders=autoencoder.coders(pol))["layers"]
-        specs = jax.tree_util.tree_map_with_path(parallel._layer_spec, layers)
+        specs = jax.tree_util.tree_map_with_path(sharding._layer_spec, layers)
         specs = jax.tree.map(lambda s: P(None, *s[1:]), specs)  # no pipeline axis here
         pl = messages.plan(pol, cfg.n_layers, {"data": 1, "tensor": 8, "pipeline": 1})
-        enter, leave, coders = parallel._tp_hooks(codecs.parse(pol["tensor", "act"]),
+        enter, leave, coders = tensor.tp_hooks(codecs.parse(pol["tensor", "act"]),
                                                   codecs.parse(pol["tensor", "act_grad"]),
                                                   pl.block_exit, pl.block_entry_grad)
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jcomp.gpt import hyperparams, messages, parallel, step, zero
+from jcomp.gpt import hyperparams, messages, sharding, step, zero
 
 from jcomp.meter import wire
 from jcomp.gpt import mesh as jmesh
@@ -68,7 +68,7 @@ def _coded_axes(pol, shape, remat=False):
     pl = messages.plan(pol, CFG.n_layers, dict(mesh.shape))
     layout = zero.for_plan(pl)
     state = step.abstract_state(shapes, mesh, tx, layout)
-    batch = jax.ShapeDtypeStruct((16, 9), np.int32, sharding=NamedSharding(mesh, parallel.BATCH_SPEC))
+    batch = jax.ShapeDtypeStruct((16, 9), np.int32, sharding=NamedSharding(mesh, sharding.BATCH_SPEC))
     fn = step.make_train_step(CFG, mesh, pl, tx, shapes, layout=layout, microbatches=2,
                               clip_norm=1.0, remat=remat)
     report = wire.measure_compiled(fn.lower(state, batch).compile(), mesh)

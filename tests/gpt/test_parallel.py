@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from tests.gpt import loss_and_grad
 from jcomp.gpt import mesh as jmesh
 from jcomp.gpt import model as gpt
-from jcomp.gpt import parallel, policy
+from jcomp.gpt import parallel, pipeline, policy, sharding
 from jcomp.meter import wire
 
 CFG = gpt.ModelConfig(vocab_size=64, d_model=32, n_heads=8, n_layers=8, d_ff=64, max_seq_len=16)
@@ -29,8 +29,8 @@ def _mesh(shape):
 
 
 def _place(m, params, batch):
-    return (parallel.shard_params(params, m),
-            jax.device_put(batch, NamedSharding(m, parallel.BATCH_SPEC)))
+    return (sharding.shard_params(params, m),
+            jax.device_put(batch, NamedSharding(m, sharding.BATCH_SPEC)))
 
 
 def _rel(a, b):
@@ -127,7 +127,7 @@ def _bytes_on_device0(tree):
 def test_parameter_bytes_fall_as_one_over_tensor_times_pipeline(reference, shape):
     params, _, _, _ = reference
     m = _mesh(shape)
-    placed = parallel.shard_params(params, m)
+    placed = sharding.shard_params(params, m)
     _, t, p = shape
     layers_total = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
     # Layer-wise LayerNorm params and row-parallel biases are replicated over tensor.
@@ -149,12 +149,12 @@ def test_bad_layouts_name_the_field(field, cfg_kw, shape, batch, micro):
     cfg = gpt.ModelConfig(**{**dict(vocab_size=64, d_model=32, n_heads=8, n_layers=8, d_ff=64,
                                     max_seq_len=16), **cfg_kw})
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        parallel.check_layout(cfg, dict(zip(jmesh.AXES, shape)), batch, micro)
+        sharding.check_layout(cfg, dict(zip(jmesh.AXES, shape)), batch, micro)
 
 
 def test_predicted_bubble():
-    assert parallel.predicted_bubble(1, 4) == 0.0
-    assert parallel.predicted_bubble(4, 4) == pytest.approx(3 / 7)
+    assert pipeline.predicted_bubble(1, 4) == 0.0
+    assert pipeline.predicted_bubble(4, 4) == pytest.approx(3 / 7)
 
 
 def _loss_and_grads(pol, shape, reference, remat=False):
@@ -246,13 +246,13 @@ def _tiny_logits_fn(pol):
     m = _mesh(tuple(cfg.mesh[a] for a in ("data", "tensor", "pipeline")))
     plan = messages.plan(pol, model_cfg.n_layers, dict(m.shape))
     params = gpt.init_params(model_cfg, jax.random.key(0), coders=autoencoder.coders(pol))
-    params = parallel.shard_params(params, m)
-    specs = parallel.param_specs(params)
+    params = sharding.shard_params(params, m)
+    specs = sharding.param_specs(params)
     body = lambda p, t: parallel.local_logits(p, t, model_cfg, plan, cfg.train.microbatches)
-    fn = jax.jit(jax.shard_map(body, mesh=m, in_specs=(specs, P(parallel.DATA, None)),
-                               out_specs=P(parallel.DATA, None, parallel.TENSOR),
+    fn = jax.jit(jax.shard_map(body, mesh=m, in_specs=(specs, P(sharding.DATA, None)),
+                               out_specs=P(sharding.DATA, None, sharding.TENSOR),
                                check_vma=True))
-    tokens_sharding = NamedSharding(m, P(parallel.DATA, None))
+    tokens_sharding = NamedSharding(m, P(sharding.DATA, None))
     return fn, params, cfg, model_cfg, tokens_sharding
 
 

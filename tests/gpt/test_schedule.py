@@ -265,7 +265,7 @@ def test_an_uncompressed_phase_flushes_residuals_into_the_sum():
 
     from jcomp.gpt import mesh as mesh_lib
     from jcomp.gpt import model as gpt
-    from jcomp.gpt import parallel, step
+    from jcomp.gpt import sharding, step
     model_cfg = gpt.ModelConfig(**tiny_config().model.to_dict())
     mesh = mesh_lib.make_mesh((2, 2, 2))
     tx = hyperparams.make_tx(lr=1e-2, warmup_steps=0, total_steps=10)
@@ -279,7 +279,7 @@ def test_an_uncompressed_phase_flushes_residuals_into_the_sum():
     fn = step.make_train_step(model_cfg, mesh, plan, tx, shapes, layout=layout, microbatches=2,
                               clip_norm=1.0)
     rows = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (8, 33), np.int32)
-    batch = jax.device_put(rows, NamedSharding(mesh, parallel.BATCH_SPEC))
+    batch = jax.device_put(rows, NamedSharding(mesh, sharding.BATCH_SPEC))
     new, m = fn(state, batch)
     assert bool(m["finite"]) and float(m["ef_norm"]) == 0.0
     assert all(not jnp.any(r) for r in jax.tree.leaves(new["zero"]["ef"]))

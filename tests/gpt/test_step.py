@@ -47,7 +47,7 @@ def _compiled_report(pol_name, **kw):
     from configs import tiny
     from jcomp.gpt import mesh as jmesh
     from jcomp.gpt import model as gpt
-    from jcomp.gpt import hyperparams, messages, parallel, step, zero
+    from jcomp.gpt import hyperparams, messages, sharding, step, zero
     from jcomp.meter import wire
     from jcomp.gpt import policy as policy_lib
 
@@ -64,7 +64,7 @@ def _compiled_report(pol_name, **kw):
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s.sharding),
                          state, step.abstract_state(shapes, mesh, tx, layout))
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32,
-                                 sharding=NamedSharding(mesh, parallel.BATCH_SPEC))
+                                 sharding=NamedSharding(mesh, sharding.BATCH_SPEC))
     fn = step.make_train_step(model_cfg, mesh, plan, tx, shapes, layout=layout, microbatches=2,
                               clip_norm=1.0, **kw)
     return wire.measure_compiled(fn.lower(state, batch).compile(), mesh)

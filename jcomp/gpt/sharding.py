@@ -1,0 +1,72 @@
+"""Where the GPT's arrays live on the ('data', 'tensor', 'pipeline') mesh: the
+parameters' PartitionSpecs (from their logical axes), the batch's, and the
+checks that the model and batch divide over the mesh."""
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jcomp.gpt import autoencoder
+from jcomp.gpt import model as gpt
+
+DATA, TENSOR, PIPE = "data", "tensor", "pipeline"
+BATCH_SPEC = P(DATA)  # tokens [B, L+1]: rows split over data, replicated elsewhere
+
+
+# Logical axis (jcomp.gpt.model.PARAM_AXES) -> the mesh axis it is split over; the
+# others are replicated. Stacked layers lead with "layers".
+AXIS_RULES = {"layers": PIPE, **{a: TENSOR for a in gpt.TENSOR_SPLIT}}
+_PARAM_AXES = {**gpt.PARAM_AXES, **autoencoder.PARAM_AXES}
+
+
+def check_layout(cfg: gpt.ModelConfig, mesh_shape: dict, global_batch: int, microbatches: int):
+    """Raises ValueError naming the field when the model or batch does not divide."""
+    d, t, p = mesh_shape[DATA], mesh_shape[TENSOR], mesh_shape[PIPE]
+    rules = [
+        ("model.n_heads", cfg.n_heads, "mesh.tensor", t),
+        ("model.d_ff", cfg.d_ff, "mesh.tensor", t),
+        ("model.vocab_size", cfg.vocab_size, "mesh.tensor", t),
+        ("model.n_layers", cfg.n_layers, "mesh.pipeline", p),
+    ]
+    for field, value, axis, size in rules:
+        if value % size:
+            raise ValueError(f"{field}={value} is not divisible by {axis}={size}")
+    if microbatches < 1:
+        raise ValueError(f"microbatches={microbatches} must be >= 1")
+    if global_batch % (d * microbatches):
+        raise ValueError(f"batch_size={global_batch} is not divisible by mesh.data x "
+                         f"microbatches = {d} x {microbatches} = {d * microbatches}")
+
+
+def spec_of(logical_axes) -> P:
+    """("layers", "embed", "mlp") -> P("pipeline", None, "tensor")."""
+    return P(*(AXIS_RULES.get(a) for a in logical_axes))
+
+
+def _layer_spec(path, leaf) -> P:
+    """Stacked layer leaf [N, ...]: layers over pipeline, the Megatron dim over tensor."""
+    key = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+    axes = ("layers",) + _PARAM_AXES[key]
+    if len(axes) != leaf.ndim:
+        raise ValueError(f"layer parameter {'/'.join(map(str, key))} has shape {leaf.shape}; "
+                         f"its logical axes are {axes}")
+    return spec_of(axes)
+
+
+def param_specs(params) -> dict:
+    """PartitionSpecs of the global parameter tree (see the module docstring)."""
+    specs = {
+        "embed": spec_of(gpt.EMBED_AXES),
+        "layers": jax.tree_util.tree_map_with_path(_layer_spec, params["layers"]),
+        "final_ln": jax.tree.map(lambda _: P(), params["final_ln"]),
+    }
+    if "head" in params:
+        specs["head"] = spec_of(gpt.EMBED_AXES)
+    return specs
+
+
+def shard_params(params, mesh):
+    """Places a global parameter tree on the mesh."""
+    specs = param_specs(params)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
