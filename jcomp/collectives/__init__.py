@@ -19,7 +19,8 @@ row depends only on the input rows lax's op would combine into it. "flat": a
 leaf is one flat vector, for gradient and parameter buffers only; leaves share
 flat buckets, but every leaf starts on a block boundary and fills whole
 blocks, so no leaf's scale is set by another (`kernels.flat_group`). The
-README ("Using the collectives") tables what each op sends, forward and back.
+README ("Using the collectives") tables what each op sends, forward and back;
+docs/collectives.md is the full reference.
 """
 from jcomp.collectives.ops import (  # noqa: F401
     DEFAULT_BUCKET_BYTES, RAW_SCOPE, REMAT_NAMES, ROWS, RawSendWarning, all_gather, all_to_all,

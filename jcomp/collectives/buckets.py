@@ -10,11 +10,23 @@ small next to device memory (DDP picks 25 MiB).
 from __future__ import annotations
 
 import itertools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jcomp.collectives.kernels import last_row
+
 DEFAULT_BUCKET_BYTES = 32 * 2**20
+
+
+class RowView(NamedTuple):
+    """How an op lays a leaf out as buffer rows [R, C] (R = 1, or G: one row per
+    device along the axes) and reads the leaf's result back from what comes out."""
+
+    to_rows: Callable    # leaf -> [R, C]
+    from_rows: Callable  # (result rows, or a tuple of them; leaf) -> the leaf's result
+    row_of: Callable = last_row  # leaf -> the row length a row-local codec codes
 
 
 def _check(bucket_bytes):
@@ -37,20 +49,20 @@ def groups(rows, keys, bucket_bytes):
     return out
 
 
-def bucketed(x, prepare, to_rows, from_rows, send, key, bucket_bytes):
+def bucketed(x, prepare, view: RowView, send, key, bucket_bytes):
     """Runs `send` once per bucket of the leaves of `x`.
 
     prepare(leaf) -> (leaf, group): `group` (hashable) is passed to `send`; a
-    falsy group means the leaf is already its own result. to_rows(leaf) ->
-    [R, m]; send(buf_RxC, group, key) -> an array or a tuple of arrays whose
-    last axis is C; from_rows(piece(s), leaf) -> the leaf's result.
+    falsy group means the leaf is already its own result. send(buf_RxC, group,
+    key) -> an array or a tuple of arrays whose last axis is C; `view` turns a
+    leaf into rows and its pieces of what `send` returned into its result.
     """
     _check(bucket_bytes)
     leaves, treedef = jax.tree.flatten(x)
     prepared = [prepare(leaf) for leaf in leaves]
     outs = [leaf for leaf, _ in prepared]
     todo = [i for i, (_, g) in enumerate(prepared) if g]
-    rows = [to_rows(prepared[i][0]) for i in todo]
+    rows = [view.to_rows(prepared[i][0]) for i in todo]
     keys = [(prepared[i][1], r.dtype, r.shape[0], jax.typeof(r).mat.varying)
             for i, r in zip(todo, rows)]
     for b, members in enumerate(groups(rows, keys, bucket_bytes)):
@@ -65,5 +77,5 @@ def bucketed(x, prepare, to_rows, from_rows, send, key, bucket_bytes):
         for pos, j in enumerate(members):
             i = todo[j]
             got = tuple(p[pos] for p in pieces)
-            outs[i] = from_rows(got[0] if single else got, prepared[i][0])
+            outs[i] = view.from_rows(got[0] if single else got, prepared[i][0])
     return jax.tree.unflatten(treedef, outs)

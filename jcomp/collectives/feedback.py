@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jcomp.collectives import kernels
-from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES, bucketed
+from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES, RowView, bucketed
 
 
 def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
@@ -22,10 +22,10 @@ def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
     def send(buf, axes, c, k, row):
         return kernels.allreduce(buf, axes, c, k, op="psum_ef", row=row)
 
-    return _ef("psum_ef", x, residual, axis_name, codec, key, rows, bucket_bytes,
-               lambda leaf: leaf.reshape(1, -1), kernels.last_row, send,
-               lambda got, leaf: tuple(g.reshape(leaf.shape) for g in got),
-               lambda leaf: lax.psum(leaf, axis_name))
+    view = RowView(lambda leaf: leaf.reshape(1, -1),
+                   lambda got, leaf: tuple(g.reshape(leaf.shape) for g in got))
+    return _ef("psum_ef", x, residual, axis_name, codec, key, rows, bucket_bytes, view, send,
+               exact=lambda leaf: lax.psum(leaf, axis_name))
 
 
 def psum_scatter_ef(x, residual, axis_name, *, scatter_dimension=0, tiled=False, codec,
@@ -47,13 +47,11 @@ def psum_scatter_ef(x, residual, axis_name, *, scatter_dimension=0, tiled=False,
         return (total.reshape(pieces_N.shape[1:]).astype(leaf.dtype),
                 kernels.stack_along(sent_N, scatter_dimension % leaf.ndim, tiled))
 
-    return _ef("psum_scatter_ef", x, residual, axis_name, codec, key, rows, bucket_bytes,
-               lambda leaf: pieces(leaf).reshape(n, -1),
-               lambda leaf: kernels.split_row(leaf, scatter_dimension % leaf.ndim, n, tiled),
-               send, done,
-               lambda leaf: lax.psum_scatter(leaf, axis_name,
-                                             scatter_dimension=scatter_dimension % leaf.ndim,
-                                             tiled=tiled))
+    view = RowView(lambda leaf: pieces(leaf).reshape(n, -1), done,
+                   lambda leaf: kernels.split_row(leaf, scatter_dimension % leaf.ndim, n, tiled))
+    return _ef("psum_scatter_ef", x, residual, axis_name, codec, key, rows, bucket_bytes, view,
+               send, exact=lambda leaf: lax.psum_scatter(
+                   leaf, axis_name, scatter_dimension=scatter_dimension % leaf.ndim, tiled=tiled))
 
 
 def _check_residual(op, x, residual):
@@ -70,8 +68,11 @@ def _check_residual(op, x, residual):
                              f"{jnp.shape(res)}; expected the operand's {leaf.shape}")
 
 
-def _ef(op, x, residual, axis_name, codec, key, rows, bucket_bytes, to_rows, row_of, send, done,
-        exact):
+def _ef(op, x, residual, axis_name, codec, key, rows, bucket_bytes, view, send, *, exact):
+    """x + residual sent in buckets: send(buf, axes, codec, key, row) -> (the
+    op's result rows, what this device's rows were sent as); `view` lays leaves
+    out and reads back (result, sent) per leaf. A lossless codec or a size-1
+    axis runs `exact` (the lax op) on x + residual and returns zero residuals."""
     kernels.check_rows(rows)
     c = kernels.parse(codec)
     axes = kernels.axes_of(axis_name)
@@ -85,11 +86,13 @@ def _ef(op, x, residual, axis_name, codec, key, rows, bucket_bytes, to_rows, row
     corrected = [lax.stop_gradient(kernels.vary(leaf + res.astype(leaf.dtype), axes))
                  for leaf, res in zip(leaves, res_leaves)]
     def group(leaf):
-        return leaf, (axes,) + kernels.row_key(rows, leaf, row_of, to_rows, (c,))
+        return leaf, (axes,) + kernels.row_key(rows, leaf, view, (c,))
 
-    got = bucketed(corrected, group, to_rows, done,
-                   lambda buf, g, k: send(buf, g[0], c, kernels.device_key(k, g[0], c), g[1]),
-                   key, bucket_bytes)
+    def send_bucket(buf, group, k):
+        live, row = group
+        return send(buf, live, c, kernels.device_key(k, live, c), row)
+
+    got = bucketed(corrected, group, view, send_bucket, key, bucket_bytes)
     outs = [t for t, _ in got]
     news = [(cor.astype(jnp.float32) - sent).astype(res.dtype)
             for cor, (_, sent), res in zip(corrected, got, res_leaves)]

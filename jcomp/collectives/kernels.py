@@ -120,13 +120,13 @@ def flat_group(length: int, codecs) -> tuple:
     return (granule,) if length % granule == 0 else (length,)
 
 
-def row_key(rows: str, leaf, row_of, to_rows, codecs) -> tuple:
+def row_key(rows: str, leaf, view, codecs) -> tuple:
     """(row,): the coded row of `leaf` and the key it shares buckets on;
-    row_of(leaf) with rows="independent", `flat_group` of its buffer row
-    (to_rows(leaf), [R, m]) with rows="flat"."""
+    view.row_of(leaf) with rows="independent", `flat_group` of its buffer row
+    (view.to_rows(leaf), [R, C]) with rows="flat" (`view`: a buckets.RowView)."""
     if rows == "independent":
-        return (row_of(leaf),)
-    return flat_group(to_rows(leaf).shape[1], codecs)
+        return (view.row_of(leaf),)
+    return flat_group(view.to_rows(leaf).shape[1], codecs)
 
 
 def split_row(leaf, dim: int, n: int, tiled: bool) -> int:

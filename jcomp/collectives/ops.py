@@ -12,7 +12,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jcomp.collectives import kernels
-from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES, bucketed
+from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES, RowView, bucketed
 from jcomp.collectives.feedback import psum_ef, psum_scatter_ef
 from jcomp.collectives.kernels import RAW_SCOPE, RawSendWarning, vary as _vary
 
@@ -82,11 +82,13 @@ class Sent(NamedTuple):
     fwd: Any  # the forward's codec
     bwd: Any  # the backward's codec
     row: int | None = None  # coded row length; None: the buffer row is flat
-    extra: Any = None  # psum: under check_vma; all_gather: `to`; ppermute: the pairs
+    checked: bool = False  # psum: under shard_map(check_vma=True)
+    to: str = "varying"  # all_gather: the result's variance over the axes
+    perm: tuple = ()  # ppermute: the (source, destination) pairs
 
 
 def _coded(fwd, bwd):
-    """A custom_vjp op(sent: Sent, x_RxM, key): fwd(x, sent, codec, key) forward and
+    """A custom_vjp op(sent: Sent, x_RxC, key): fwd(x, sent, codec, key) forward and
     bwd(ct, sent, codec, key) backward, each with its own codec and the key folded
     with the device's index; the backward draws its own randomness."""
 
@@ -107,7 +109,7 @@ def _allreduce(x, s, codec, key):
 
 
 def _allreduce_bwd(ct, s, codec, key):
-    if s.extra:  # under check_vma, the transpose of an all-reduce into an invariant value
+    if s.checked:  # under check_vma, the transpose of an all-reduce into an invariant value
         return _vary(ct, s.axes)
     return _allreduce(ct, s, codec, key)
 
@@ -116,23 +118,31 @@ def _reduce_scatter(x, s, codec, key):
     return kernels.reduce_scatter(x, s.axes, codec, key, row=s.row)[0].astype(x.dtype)
 
 
+def _mark_varying(x, s, codec, key):
+    return lax.pcast(x, s.axes, to="varying")
+
+
 def _gather(x, s, codec, key):
-    return kernels.gather(x, s.axes, codec, key, s.extra, row=s.row)
+    return kernels.gather(x, s.axes, codec, key, s.to, row=s.row)
+
+
+def _scatter_bwd(ct, s, codec, key):
+    return kernels.gather(ct, s.axes, codec, key, "varying", row=s.row)
 
 
 def _gather_bwd(ct, s, codec, key):
-    if s.extra == "invarying":  # every device holds the gathered value: its row is local
+    if s.to == "invarying":  # every device holds the gathered value: its row is local
         own = lax.dynamic_index_in_dim(ct, lax.axis_index(s.axes), 0, keepdims=True)
         return _vary(own, s.axes)
     return _reduce_scatter(ct, s, codec, key)
 
 
 def _permute(x, s, codec, key):
-    return kernels.permute(x, s.axes, codec, key, s.extra, row=s.row)
+    return kernels.permute(x, s.axes, codec, key, s.perm, row=s.row)
 
 
 def _permute_bwd(ct, s, codec, key):
-    inverse = tuple((dst, src) for src, dst in s.extra)
+    inverse = tuple((dst, src) for src, dst in s.perm)
     return kernels.permute(ct, s.axes, codec, key, inverse, row=s.row)
 
 
@@ -141,9 +151,8 @@ def _exchange(x, s, codec, key):
 
 
 _PSUM = _coded(_allreduce, _allreduce_bwd)
-_COPY = _coded(lambda x, s, codec, key: lax.pcast(x, s.axes, to="varying"), _allreduce_bwd)
-_SCATTER = _coded(_reduce_scatter, lambda ct, s, codec, key: kernels.gather(
-    ct, s.axes, codec, key, "varying", row=s.row))
+_COPY = _coded(_mark_varying, _allreduce_bwd)
+_SCATTER = _coded(_reduce_scatter, _scatter_bwd)
 _GATHER = _coded(_gather, _gather_bwd)
 _PERMUTE = _coded(_permute, _permute_bwd)
 _EXCHANGE = _coded(_exchange, _exchange)
@@ -165,13 +174,15 @@ def _same(out, leaf):
     return out.reshape(leaf.shape)
 
 
-def _tree(op, x, ready, to_rows, from_rows, send, key, bucket_bytes, row_of=last_row,
-          prepare=None):
-    """The leaves of `x` coded and sent in buckets: send(buf, live axes, row, key),
-    where `row` is row_of(leaf) with rows="independent" (leaves share a bucket only
-    with leaves of their row length) and with rows="flat" what
-    `kernels.flat_group` gives (one block, so that leaves share no block; the
-    leaf's length; or None for a cast). The results are named for remat."""
+def _tree(op, x, ready, view, coded, key, bucket_bytes, *, prepare=None, **sent):
+    """The leaves of `x` laid out as rows by `view` (a buckets.RowView) and sent in
+    buckets, each by the custom_vjp op `coded` with Sent(live axes, ready's
+    codecs, row, **sent). `row` is view.row_of(leaf) with rows="independent"
+    (leaves share a bucket only with leaves of their row length) and with
+    rows="flat" what `kernels.flat_group` gives (one block, so that leaves share
+    no block; the leaf's length; or None for a cast). prepare(leaf) -> (leaf,
+    the axes it still has to travel over); by default the leaf marked varying
+    over all of them. The results are named for remat."""
     axes = ready.axes
     prepare = prepare or (lambda leaf: (_vary(leaf, axes), axes))
 
@@ -179,11 +190,13 @@ def _tree(op, x, ready, to_rows, from_rows, send, key, bucket_bytes, row_of=last
         leaf, live = prepare(leaf)
         if not live:
             return leaf, None
-        return leaf, (live,) + kernels.row_key(ready.rows, leaf, row_of, to_rows,
-                                              (ready.fwd, ready.bwd))
+        return leaf, (live,) + kernels.row_key(ready.rows, leaf, view, (ready.fwd, ready.bwd))
 
-    out = bucketed(x, grouped, to_rows, from_rows,
-                   lambda buf, group, k: send(buf, group[0], group[1], k), key, bucket_bytes)
+    def send(buf, group, k):
+        live, row = group
+        return coded(Sent(live, ready.fwd, ready.bwd, row, **sent), buf, k)
+
+    out = bucketed(x, grouped, view, send, key, bucket_bytes)
     return jax.tree.map(lambda v: checkpoint_name(v, REMAT_NAMES[op]), out)
 
 
@@ -194,7 +207,7 @@ def psum(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, 
     ready = _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups)
     if ready is None:
         return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
-    axes, fwd, bwd = ready.axes, ready.fwd, ready.bwd
+    axes = ready.axes
     checked = _checked(axes)
 
     def prepare(leaf):
@@ -207,9 +220,8 @@ def psum(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, 
             leaf = leaf * lax.axis_size(invariant)
         return leaf, tuple(a for a in axes if a not in invariant)
 
-    return _tree("psum", x, ready, _flat, _same,
-                 lambda buf, live, row, k: _PSUM(Sent(live, fwd, bwd, row, checked), buf, k),
-                 key, bucket_bytes, prepare=prepare)
+    return _tree("psum", x, ready, RowView(_flat, _same), _PSUM, key, bucket_bytes,
+                 prepare=prepare, checked=checked)
 
 
 def pmean(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, key=None,
@@ -251,7 +263,7 @@ def copy_to_parallel(x, axis_name, *, bwd_codec="none", key=None, rows="independ
             return lax.pcast(leaf, missing, to="varying")
         check_key(k, bwd)
         row = last_row(leaf) if rows == "independent" else None
-        return _same(_COPY(Sent(missing, bwd, bwd, row, False), _flat(leaf), k), leaf)
+        return _same(_COPY(Sent(missing, bwd, bwd, row), _flat(leaf), k), leaf)
 
     leaves, treedef = jax.tree.flatten(x)
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(leaves))]
@@ -274,23 +286,23 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
             lambda: lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                                      axis_index_groups=axis_index_groups, tiled=tiled),
             scatter_dimension >= 0)
-    axes, fwd, bwd = ready.axes, ready.fwd, ready.bwd
-    n = lax.axis_size(axes)
+    n = lax.axis_size(ready.axes)
 
     def to_rows(leaf):
         dim = scatter_dimension % leaf.ndim
         return kernels.rows_along(leaf, n, dim, tiled, "psum_scatter").reshape(n, -1)
 
-    def from_rows(out_1xM, leaf):
+    def from_rows(out_1xC, leaf):
         dim = scatter_dimension % leaf.ndim
         shape = list(leaf.shape)
         shape[dim:dim + 1] = [shape[dim] // n] if tiled else []
-        return out_1xM.reshape(shape)
+        return out_1xC.reshape(shape)
 
-    return _tree("psum_scatter", x, ready, to_rows, from_rows,
-                 lambda buf, live, row, k: _SCATTER(Sent(live, fwd, bwd, row), buf, k),
-                 key, bucket_bytes,
-                 row_of=lambda leaf: split_row(leaf, scatter_dimension % leaf.ndim, n, tiled))
+    def row_of(leaf):
+        return split_row(leaf, scatter_dimension % leaf.ndim, n, tiled)
+
+    return _tree("psum_scatter", x, ready, RowView(to_rows, from_rows, row_of), _SCATTER, key,
+                 bucket_bytes)
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying",
@@ -303,19 +315,17 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     if ready is None:
         return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
                               tiled=tiled, to=to)
-    axes, fwd, bwd = ready.axes, ready.fwd, ready.bwd
     if to not in ("varying", "invarying"):
         raise ValueError(f"all_gather: to={to!r} is not supported with compression; "
                          "allowed: 'varying', 'invarying'")
-    n = lax.axis_size(axes)
+    n = lax.axis_size(ready.axes)
 
-    def from_rows(out_GxM, leaf):
+    def from_rows(out_GxC, leaf):
         dim = axis % (leaf.ndim + (0 if tiled else 1))
-        return kernels.stack_along(out_GxM.reshape((n,) + leaf.shape), dim, tiled)
+        return kernels.stack_along(out_GxC.reshape((n,) + leaf.shape), dim, tiled)
 
-    return _tree("all_gather", x, ready, _flat, from_rows,
-                 lambda buf, live, row, k: _GATHER(Sent(live, fwd, bwd, row, to), buf, k),
-                 key, bucket_bytes)
+    return _tree("all_gather", x, ready, RowView(_flat, from_rows), _GATHER, key, bucket_bytes,
+                 to=to)
 
 
 def ppermute(x, axis_name, perm, *, codec="none", bwd_codec=None, key=None,
@@ -324,11 +334,9 @@ def ppermute(x, axis_name, perm, *, codec="none", bwd_codec=None, key=None,
     ready = _prepare(x, axis_name, codec, bwd_codec, key, rows)
     if ready is None:
         return lax.ppermute(x, axis_name, perm)
-    fwd, bwd = ready.fwd, ready.bwd
     perm = tuple((int(s), int(d)) for s, d in perm)
-    return _tree("ppermute", x, ready, _flat, _same,
-                 lambda buf, live, row, k: _PERMUTE(Sent(live, fwd, bwd, row, perm), buf, k),
-                 key, bucket_bytes)
+    return _tree("ppermute", x, ready, RowView(_flat, _same), _PERMUTE, key, bucket_bytes,
+                 perm=perm)
 
 
 def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None, tiled=False,
@@ -347,18 +355,18 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
             lambda: lax.all_to_all(x, axis_name, split_axis, concat_axis,
                                    axis_index_groups=axis_index_groups, tiled=tiled),
             split_axis >= 0 and concat_axis >= 0)
-    fwd, bwd = ready.fwd, ready.bwd
     n = lax.axis_size(ready.axes)
 
     def chunks(leaf):
         return kernels.rows_along(leaf, n, split_axis % leaf.ndim, tiled, "all_to_all")
 
-    def from_rows(out_GxM, leaf):
-        rows_N = out_GxM.reshape(chunks(leaf).shape)
+    def from_rows(out_GxC, leaf):
+        rows_N = out_GxC.reshape(chunks(leaf).shape)
         return kernels.stack_along(rows_N, concat_axis % leaf.ndim, tiled)
 
-    return _tree("all_to_all", x, ready, lambda leaf: chunks(leaf).reshape(n, -1), from_rows,
-                 lambda buf, live, row, k: _EXCHANGE(Sent(live, fwd, bwd, row), buf, k),
-                 key, bucket_bytes,
-                 row_of=lambda leaf: split_row(leaf, split_axis % leaf.ndim, n, tiled))
+    def row_of(leaf):
+        return split_row(leaf, split_axis % leaf.ndim, n, tiled)
+
+    view = RowView(lambda leaf: chunks(leaf).reshape(n, -1), from_rows, row_of)
+    return _tree("all_to_all", x, ready, view, _EXCHANGE, key, bucket_bytes)
 

@@ -71,7 +71,7 @@ from jax.sharding import PartitionSpec as P
 
 from jcomp import collectives as cc
 from jcomp.collectives import powersgd
-from jcomp.collectives.buckets import bucketed
+from jcomp.collectives.buckets import RowView, bucketed
 from jcomp.collectives.scope import message_scope
 
 SHARD_AXES = ("tensor", "pipeline")  # the axes working params may be split over
@@ -306,7 +306,7 @@ def _lax_buckets(flats, send, to_rows, from_rows, bucket_bytes):
     than a message per leaf: jcomp.collectives sends "none" leaf by leaf, as lax
     does, since the order of a sum over a concatenated buffer is the backend's.
     The optimizer asks for the buckets here, where no gradient flows through them."""
-    return bucketed(flats, lambda f: (f, ("data",)), to_rows, from_rows,
+    return bucketed(flats, lambda f: (f, ("data",)), RowView(to_rows, from_rows),
                     lambda buf, axes, key: send(buf), None, bucket_bytes)
 
 
