@@ -18,8 +18,9 @@ checkpoint), 4 a peer process of the cluster was lost (one line naming it and
 the last complete checkpoint; the details in WORKDIR/process<i>.log), 130 a
 second Ctrl-C (stopped at once, nothing saved).
 """
+import difflib
+import importlib.util
 import os
-import re
 import sys
 import threading
 import time
@@ -121,42 +122,64 @@ def _config_arg(argv):
     return value
 
 
-def _config_file(argv) -> tuple[str, str]:
-    """(the --config value as given, the absolute path of its file)."""
+def _config_file(argv) -> tuple[str, str, str | None]:
+    """(the --config value as given, the absolute path of its file, the argument
+    after its ':' for get_config, or None)."""
     value = _config_arg(argv) or _DEFAULT_CONFIG
-    return value, os.path.abspath(value.split(":", 1)[0])
+    file, _, arg = value.partition(":")
+    return value, os.path.abspath(file), arg or None
+
+
+def _raised_by_config_file(e: BaseException, path: str) -> str:
+    """What went wrong inside the config file, from the exception's own traceback."""
+    if isinstance(e, SyntaxError) and e.filename and os.path.abspath(e.filename) == path:
+        return f"{type(e).__name__} at line {e.lineno}: {e.msg}"
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == path]
+    if not frames:
+        return f"{type(e).__name__}: {e}"
+    f = frames[-1]
+    raiser = f"{f.name}() raised" if f.name != "<module>" else "raised"
+    return f"{raiser} {type(e).__name__}: {e} (line {f.lineno})"
 
 
 def _check_config_file(argv):
-    value, path = _config_file(argv)
+    """Runs the config file's get_config() as config_flags will, so that an error
+    in it is read from its own traceback, and checks that every --config.FIELD
+    override names a field of what it returns."""
+    value, path, arg = _config_file(argv)
     if not os.path.exists(path):
         _fail(f"--config={value}: no such file; pass a Python file defining get_config(), "
               "e.g. --config=configs/tiny.py")
     if not os.path.isfile(path):
         _fail(f"--config={value}: {path} is a directory; pass a Python file defining get_config()")
+    try:
+        spec = importlib.util.spec_from_file_location("_train_config_check", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        cfg = module.get_config(*([arg] if arg is not None else []))
+    except Exception as e:  # noqa: BLE001  (the config file's own code may raise anything)
+        _fail(f"--config={value}: {_raised_by_config_file(e, path)}")
+    if isinstance(cfg, ConfigDict):
+        for a in argv[1:]:
+            if a.startswith("--config."):
+                _check_field(cfg, a.split("=", 1)[0])
 
 
-def _raised_by_config_file(e: BaseException, path: str) -> str | None:
-    """What went wrong inside the config file itself, or None if it did not."""
-    if isinstance(e, SyntaxError) and e.filename and os.path.abspath(e.filename) == path:
-        return f"{type(e).__name__} at line {e.lineno}: {e.msg}"
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == path]
-    text = str(e)
-    if "Error whilst parsing config file" in text:  # ml_collections re-raised it with its trace
-        lines = [l.strip() for l in text.splitlines() if l.strip()]
-        where = re.findall(rf'File "{re.escape(path)}", line (\d+), in (\S+)', text)
-        if where:
-            return f"{where[-1][1]}() raised {lines[-1]} (line {where[-1][0]})"
-        return lines[-1]
-    if frames:
-        f = frames[-1]
-        raiser = f"{f.name}() raised" if f.name != "<module>" else "raised"
-        return f"{raiser} {type(e).__name__}: {text} (line {f.lineno})"
-    return None
+def _check_field(cfg, flag: str):
+    """--config.a.b names a field of `cfg`, or one line naming the first part that
+    does not exist, with the closest field there."""
+    node = cfg
+    for part in flag[len("--config."):].split("."):
+        if not isinstance(node, ConfigDict) or part not in node:
+            fields = list(node.keys()) if isinstance(node, ConfigDict) else []
+            close = difflib.get_close_matches(part, fields, n=1)
+            _fail(f"{flag}: the config has no field {part!r}"
+                  + (f" (did you mean {close[0]!r}?)" if close else ""))
+        node = node[part]
 
 
 def _loaded_config(argv):
-    value, path = _config_file(argv)
+    value = _config_file(argv)[0]
     cfg = FLAGS.config
     try:
         cfg.get("train")  # a file that failed to load raises only when first read
@@ -205,19 +228,13 @@ def main(argv, full_argv=None, hooks=None):
     except trainer.NonFiniteError as e:
         _fail(str(e), code=EXIT_NONFINITE)
     except trainer.WriteError as e:
+        if jax.process_count() > 1 and cluster.is_peer_error(e):
+            _peer_lost(e, workdir)  # a save's collectives saw the peer go: not the disk
         _fail(str(e), code=EXIT_WRITE)
     except Exception as e:  # noqa: BLE001  (a lost peer surfaces as the runtime's own error)
         if jax.process_count() == 1 or not cluster.is_peer_error(e):
             raise
-        # A collective saw the peer go. JAX's coordination service names it once its
-        # heartbeats stop (--peer_timeout) and ends this process; the supervisor
-        # then says which process was lost. Should that not come, say it here.
-        traceback.print_exc(file=sys.__stderr__)  # into the process log
-        time.sleep(FLAGS.peer_timeout + 30)
-        _fail(f"a peer process of the cluster was lost ({str(e).strip().splitlines()[0]}); "
-              f"the last complete checkpoint is step {cluster.last_complete_step(workdir)}; "
-              "rerun every process with the same command to resume from it",
-              code=cluster.PEER_LOST_EXIT)
+        _peer_lost(e, workdir)
     if jax.process_index() == 0 and last:
         print(f"step {last['step']}: loss {last['loss']:.4f}"
               + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
@@ -226,35 +243,27 @@ def main(argv, full_argv=None, hooks=None):
         jax.distributed.shutdown()
 
 
+def _peer_lost(e, workdir):
+    """A collective saw a peer go. JAX's coordination service names it once its
+    heartbeats stop (--peer_timeout) and ends this process; the supervisor then
+    says which process was lost. Should that not come, say it here."""
+    traceback.print_exc(file=sys.__stderr__)  # into the process log
+    time.sleep(FLAGS.peer_timeout + 30)
+    _fail(f"a peer process of the cluster was lost ({str(e).strip().splitlines()[0]}); "
+          f"the last complete checkpoint is step {cluster.last_complete_step(workdir)}; "
+          "rerun every process with the same command to resume from it",
+          code=cluster.PEER_LOST_EXIT)
+
+
 def _parse_flags(argv):
-    # Errors in the config file, a config override naming a field that does not
-    # exist, or a value of the wrong type raise from inside flag parsing, before
-    # main: one line and exit 2.
+    # Errors in the config file and overrides of fields that do not exist are
+    # found first (_check_config_file); a value of the wrong type raises from
+    # inside flag parsing, before main: one line and exit 2.
     _check_config_file(argv)
     try:
         return FLAGS(argv)
-    except Exception as e:  # noqa: BLE001  (the config file's own code may raise anything)
-        value, path = _config_file(argv)
-        problem = _raised_by_config_file(e, path)
-        if problem:
-            _fail(f"--config={value}: {problem}")
-        key = e if isinstance(e, KeyError) else e.__context__
-        if isinstance(key, KeyError):
-            _fail(_unknown_field(key, argv))
-        if isinstance(e, (flags.Error, AttributeError, TypeError, ValueError)):
-            _fail(str(e))
-        raise
-
-
-def _unknown_field(e: KeyError, argv) -> str:
-    text = str(e.args[0] if e.args else e)
-    field = (re.findall(r"'([^']+)'", text) or [text])[0]
-    hint = re.search(r'Did you mean "([^"]+)"', text)
-    names = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-    where = next((n for n in names if f".{field}." in n + "." or n.endswith(f".{field}")),
-                 "a --config override")
-    return (f"{where}: the config has no field {field!r}"
-            + (f" (did you mean {hint.group(1)!r}?)" if hint else ""))
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+        _fail(str(e.args[0] if isinstance(e, KeyError) and e.args else e))
 
 
 def run(argv=None, hooks=None):

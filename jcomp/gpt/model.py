@@ -97,28 +97,28 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"ModelConfig.{name} must be an int; got {value!r}")
+                raise TypeError(f"model.{name} must be an int; got {value!r}")
             if value < 1:
-                raise ValueError(f"ModelConfig.{name} must be >= 1; got {value}")
+                raise ValueError(f"model.{name} must be >= 1; got {value}")
         if self.d_model % self.n_heads:
             raise ValueError(
-                f"ModelConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+                f"model.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"ModelConfig.d_model / n_heads must be even for rotary embeddings; got head_dim "
+                f"model.d_model / n_heads must be even for rotary embeddings; got head_dim "
                 f"{self.head_dim} (d_model={self.d_model}, n_heads={self.n_heads})"
             )
         if not isinstance(self.tie_embeddings, bool):
-            raise TypeError(f"ModelConfig.tie_embeddings must be a bool; got {self.tie_embeddings!r}")
+            raise TypeError(f"model.tie_embeddings must be a bool; got {self.tie_embeddings!r}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"ModelConfig.dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
+            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
         for name in ("rope_base", "init_std", "ln_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"ModelConfig.{name} must be a number; got {value!r}")
+                raise TypeError(f"model.{name} must be a number; got {value!r}")
             if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"ModelConfig.{name} must be finite and > 0; got {value}")
+                raise ValueError(f"model.{name} must be finite and > 0; got {value}")
 
     @property
     def head_dim(self) -> int:
@@ -300,7 +300,7 @@ def head_logits(params, x_BxLxD, cfg: ModelConfig):
     if cfg.tie_embeddings == ("head" in params):
         raise ValueError(
             f"params must {'not ' if cfg.tie_embeddings else ''}have a 'head' entry when "
-            f"ModelConfig.tie_embeddings={cfg.tie_embeddings}"
+            f"model.tie_embeddings={cfg.tie_embeddings}"
         )
     w_VxD = params["embed"] if cfg.tie_embeddings else params["head"]
     h_BxLxD = _final_ln(cfg).apply({"params": params["final_ln"]}, x_BxLxD.astype(jnp.float32))

@@ -21,7 +21,8 @@ _PARAM_AXES = {**gpt.PARAM_AXES, **autoencoder.PARAM_AXES}
 
 
 def check_layout(cfg: gpt.ModelConfig, mesh_shape: dict, global_batch: int, microbatches: int):
-    """Raises ValueError naming the field when the model or batch does not divide."""
+    """Raises ValueError naming the config field (model.*, mesh.*, train.*) when
+    the model or the batch does not divide over the mesh."""
     d, t, p = mesh_shape[DATA], mesh_shape[TENSOR], mesh_shape[PIPE]
     rules = [
         ("model.n_heads", cfg.n_heads, "mesh.tensor", t),
@@ -33,10 +34,10 @@ def check_layout(cfg: gpt.ModelConfig, mesh_shape: dict, global_batch: int, micr
         if value % size:
             raise ValueError(f"{field}={value} is not divisible by {axis}={size}")
     if microbatches < 1:
-        raise ValueError(f"microbatches={microbatches} must be >= 1")
+        raise ValueError(f"train.microbatches={microbatches} must be >= 1")
     if global_batch % (d * microbatches):
-        raise ValueError(f"batch_size={global_batch} is not divisible by mesh.data x "
-                         f"microbatches = {d} x {microbatches} = {d * microbatches}")
+        raise ValueError(f"train.batch_size={global_batch} is not divisible by mesh.data x "
+                         f"train.microbatches = {d} x {microbatches} = {d * microbatches}")
 
 
 def spec_of(logical_axes) -> P:

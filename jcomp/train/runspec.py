@@ -191,7 +191,7 @@ def _model_config(cfg) -> gpt.ModelConfig:
     try:
         return gpt.ModelConfig(**cfg.model.to_dict())
     except (TypeError, ValueError) as e:
-        raise UsageError(str(e).replace("ModelConfig.", "model.")) from None
+        raise UsageError(str(e)) from None
 
 
 MAX_SEED = 2**63 - 1
@@ -235,8 +235,7 @@ def validate(cfg, n_devices: int) -> RunSpec:
     try:
         sharding.check_layout(model_cfg, mesh_shape, cfg.train.batch_size, cfg.train.microbatches)
     except ValueError as e:
-        raise UsageError(str(e).replace("batch_size", "train.batch_size")
-                         .replace("microbatches=", "train.microbatches=")) from None
+        raise UsageError(str(e)) from None
     if cfg.train.batch_size % jax.process_count():
         raise UsageError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
                          f"{jax.process_count()} processes")
