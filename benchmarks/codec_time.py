@@ -41,7 +41,7 @@ import jax  # noqa: E402
 
 from benchmarks import parallel as bench_parallel  # noqa: E402
 from jcomp.gpt import mesh as jmesh  # noqa: E402
-from jcomp.gpt import parallel  # noqa: E402
+from jcomp.gpt import sharding  # noqa: E402
 from jcomp.gpt import policy as policy_lib  # noqa: E402
 from jcomp.meter import wire  # noqa: E402
 
@@ -124,7 +124,7 @@ def parse_args(argv=None):
             ap.error(f"--entries: {e!r} names no message; allowed: {', '.join(known)}")
     args.model = bench_parallel.model_config(args, ap)
     try:
-        parallel.check_layout(args.model, dict(zip(jmesh.AXES, args.shape)), args.batch,
+        sharding.check_layout(args.model, dict(zip(jmesh.AXES, args.shape)), args.batch,
                               args.microbatches)
     except ValueError as e:
         ap.error(str(e))

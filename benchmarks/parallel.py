@@ -54,9 +54,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from jcomp.gpt import mesh as jmesh  # noqa: E402
 from jcomp.gpt import model as gpt  # noqa: E402
-from jcomp.gpt import messages, optimizer, parallel, step  # noqa: E402
-from jcomp.meter import wire
+from jcomp.gpt import hyperparams, messages, pipeline, sharding, step, zero  # noqa: E402
 from jcomp.gpt import policy as policy_lib  # noqa: E402
+from jcomp.meter import wire  # noqa: E402
 
 AXES = jmesh.AXES
 DEFAULTS = dict(shapes=[(8, 1, 1), (2, 2, 2), (1, 2, 4)], policies=["baseline", "hybrid", "naive"],
@@ -71,7 +71,7 @@ CPU_NOTE = ("emulated CPU devices share the host's cores: idle pipeline stages f
 
 def predicted_bubble(n_stages: int, microbatches: int) -> float:
     """GPipe's idle fraction (P - 1) / (M + P - 1)."""
-    return parallel.predicted_bubble(n_stages, microbatches)
+    return pipeline.predicted_bubble(n_stages, microbatches)
 
 
 def measured_bubble(t: float, t_ref: float, n_stages: int) -> float:
@@ -91,7 +91,7 @@ def plan(shapes, policies, microbatches, cfg, batch, reference=True):
         if case in cases:
             return
         try:
-            parallel.check_layout(cfg, dict(zip(AXES, shape)), batch, m)
+            sharding.check_layout(cfg, dict(zip(AXES, shape)), batch, m)
         except ValueError as e:
             skipped.append(dict(case, shape=list(shape), reason=str(e)))
             return
@@ -113,8 +113,8 @@ def inputs(cfg, batch: int, seq: int):
     """-> (AdamW, host params, host tokens [batch, seq+1]) shared by every case.
     Host copies: every case places its own, so donating one case's state cannot
     delete buffers another case shares."""
-    tx = optimizer.make_tx(lr=1e-3, warmup_steps=0, total_steps=1000, weight_decay=0.1,
-                           decay_mask=optimizer.decay_mask)
+    tx = hyperparams.make_tx(lr=1e-3, warmup_steps=0, total_steps=1000, weight_decay=0.1,
+                             decay_mask=hyperparams.decay_mask)
     params = jax.tree.map(np.asarray, gpt.init_params(cfg, jax.random.key(0)))
     tokens_BxL1 = np.random.default_rng(0).integers(
         0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
@@ -135,13 +135,14 @@ def compile_step(pol, shape, microbatches, cfg, tx, params, tokens_BxL1, rows=No
     rows="flat": its activation messages coded across tokens (`flat_activations`).
     -> dict(exe, state, batch, mesh, plan)."""
     mesh = jmesh.make_mesh(shape, devices=jax.devices()[:math.prod(shape)])
-    state = step.init_state(params, mesh, tx, pol)
-    batch = jax.device_put(tokens_BxL1, NamedSharding(mesh, parallel.BATCH_SPEC))
     plan = messages.plan(pol, cfg.n_layers, dict(mesh.shape))
+    layout = zero.for_plan(plan, stage=1)
+    state = step.init_state(params, mesh, tx, layout)
+    batch = jax.device_put(tokens_BxL1, NamedSharding(mesh, sharding.BATCH_SPEC))
     if rows == "flat":
         plan = flat_activations(plan)
-    fn = step.make_train_step(cfg, mesh, pol, plan, tx, jax.eval_shape(lambda: params),
-                              microbatches=microbatches, zero_stage=1, clip_norm=1.0)
+    fn = step.make_train_step(cfg, mesh, plan, tx, jax.eval_shape(lambda: params), layout=layout,
+                              microbatches=microbatches, clip_norm=1.0)
     return dict(exe=fn.lower(state, batch).compile(), state=state, batch=batch, mesh=mesh,
                 plan=plan)
 
@@ -178,7 +179,7 @@ def build_jit_dp(case, cfg, tx, params, tokens_BxL1):
         updates, opt = clipped.update(grads, opt, p)
         return (optax.apply_updates(p, updates), opt), {"loss": loss}
 
-    batch = jax.device_put(tokens_BxL1, NamedSharding(mesh, parallel.BATCH_SPEC))
+    batch = jax.device_put(tokens_BxL1, NamedSharding(mesh, sharding.BATCH_SPEC))
     fn = jax.jit(train_step, donate_argnums=0, out_shardings=((replicated, replicated),
                                                               {"loss": replicated}))
     exe = fn.lower(state, batch).compile()

@@ -1,6 +1,6 @@
 """GPT-NeoX-20B's shapes (44 layers, d_model 6144, 64 heads, 50432 vocab, 2048
 context) on the CCGrid 2024 paper's layout, for planning and projection only:
-it does not fit on one machine. `benchmarks/projection.py` reads it."""
+it does not fit on one machine. `experiments/projection.py` reads it."""
 from configs import base
 
 

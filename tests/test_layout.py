@@ -1,6 +1,6 @@
 """The package's folders are its layers: imports point down, never in a circle.
 
-Top to bottom (README, "Layout"):
+Top to bottom (docs/architecture.md):
 
   train        the run: checked config, loop, resume, data, checkpoints, metrics, faults
   gpt          the model, its codec policy and message plan, 3-D layout, ZeRO, the step

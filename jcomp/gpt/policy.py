@@ -13,9 +13,11 @@ sends from some stages only.
 
 Presets: baseline (all "none"), naive (int4 with error feedback), hybrid_paper
 (Xu et al., CCGrid 2024: int4 with error feedback on data gradients, int8
-elsewhere) and hybrid, the setting benchmarks/RESULTS.md measured best (README,
-"Policy": loss within 1% of the baseline's over seeds, the fewest bytes whose
-step is no slower than the baseline's on an unthrottled link).
+elsewhere) and hybrid, the best setting experiments/RESULTS.md found at no more
+than 1/6 of the baseline's bytes. The README ("Policies and presets") states the
+rule it was chosen by (loss within 1% of the baseline's over seeds at 1/6 of the
+bytes or fewer, then the fewest bytes no slower than the baseline) and that no
+setting measured so far meets it.
 """
 from __future__ import annotations
 

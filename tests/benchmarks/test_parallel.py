@@ -200,7 +200,7 @@ def test_jit_dp_reference_computes_the_baseline_step():
 
     cfg = bench.gpt.ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=64,
                                 max_seq_len=16)
-    tx = bench.optimizer.make_tx(lr=1e-3, warmup_steps=0, total_steps=10)
+    tx = bench.hyperparams.make_tx(lr=1e-3, warmup_steps=0, total_steps=10)
     params = bench.jax.tree.map(np.asarray, bench.gpt.init_params(cfg, bench.jax.random.key(0)))
     tokens = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
     case = dict(shape=(8, 1, 1), microbatches=1, role="main")

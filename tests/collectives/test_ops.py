@@ -412,7 +412,7 @@ def test_error_feedback_restores_sgd_convergence_under_int2(mesh):
     so the step size is one that leaves room for that delay (at 0.3, near exact
     SGD's stability limit here, feedback diverges). (With Adam, feedback at this strength can hurt instead:
     the per-coordinate normalisation magnifies released residuals; see
-    benchmarks/RESULTS.md.)"""
+    experiments/RESULTS.md.)"""
     # 512 unknowns: each of the 2 owners codes a full 256-element block (a shorter
     # vector gets a shorter block, whose finer scales hide the stall).
     rng = np.random.default_rng(0)
