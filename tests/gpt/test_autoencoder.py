@@ -172,6 +172,7 @@ def test_tensor_traffic_of_the_blocks_shrinks_to_dim_over_d_model():
     assert base > 0 and coded == base * A // cfg.d_model, (coded, base)
 
 
+@pytest.mark.e2e
 def test_training_checkpoints_and_restores_the_autoencoder(tmp_path):
     """A short run saves the autoencoder weights, they moved from their
     initial values, and a resumed run continues from them."""

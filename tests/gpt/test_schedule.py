@@ -141,6 +141,7 @@ def test_apply_updates_refuses_a_phase_powersgd_the_state_was_not_built_for():
     ("layers.tensor.act=1-2", "compression.layers.tensor.act=2", "has 2 layers"),
     ("stages.pipeline.act=0-", "compression.stages.pipeline.act", "N or N-M"),
     ("stages.data.grad=0", "--config.compression.stages.data.grad", "has no field 'data'")])
+@pytest.mark.e2e
 def test_train_py_rejects_a_bad_schedule_or_place_in_one_line(tmp_path, override, field, why):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
@@ -237,6 +238,7 @@ def test_each_phase_is_named_in_metrics_and_the_log_on_its_first_step(runs):
 
 
 
+@pytest.mark.e2e
 def test_resuming_mid_schedule_enters_the_phase_in_force_and_retraces_the_run(runs):
     """Resumed from step 2 (data.grad=bf16 since index 1), the next step is the
     one where tensor.act starts: it compiles that phase and reproduces the

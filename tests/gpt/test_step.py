@@ -3,12 +3,15 @@ per-step, per-device key: deterministic runs that resume bit for bit) and its me
 import os
 import shutil
 
+import pytest
+
 from tests.train.test_train import TINY, losses, run
 
 RANDOM = ["--config.compression.data.grad=randk:0.1", "--config.compression.error_feedback=on",
           "--config.compression.data.param=int8:sr"]
 
 
+@pytest.mark.e2e
 def test_random_codecs_train_and_resume_bitwise(tmp_path):
     """randk:0.1 gradients (with feedback) and stochastically rounded int8 parameter
     gathers: the run trains, and a resume from step 4 repeats steps 5..8 exactly."""
@@ -28,6 +31,7 @@ def test_random_codecs_train_and_resume_bitwise(tmp_path):
     assert all(again[s] == got[s] for s in again), (again, got)
 
 
+@pytest.mark.e2e
 def test_random_codec_inside_the_model_is_refused_before_the_workdir(tmp_path):
     workdir = tmp_path / "never"
     proc = run(str(workdir), *TINY, "--config.compression.tensor.act=int8:sr")

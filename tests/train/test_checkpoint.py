@@ -454,6 +454,7 @@ def test_bad_arguments_raise(tmp_path, mesh):
         assert ck.steps() == []
 
 
+@pytest.mark.e2e
 def test_a_failure_reported_only_at_close_is_a_save_error(tmp_path, mesh):
     """Orbax may report a background finalize failure (a file system turned
     read-only) only when the manager closes: that is the same SaveError as a

@@ -22,6 +22,8 @@ import time
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.e2e  # every test here runs train.py in a subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 10
 # Saves at steps 4, 8 and 10 (the last step always saves); all three are kept.

@@ -115,6 +115,7 @@ def _cases(tmp):
     }
 
 
+@pytest.mark.e2e
 def test_user_errors_exit_2_with_one_line_and_leave_the_workdir_as_it_was(tmp_path):
     cases = _cases(tmp_path)
     before = {name: hashes(c[0]) for name, c in cases.items()}
@@ -129,6 +130,7 @@ def test_user_errors_exit_2_with_one_line_and_leave_the_workdir_as_it_was(tmp_pa
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.e2e
 def test_uncreatable_checkpoint_directory_ends_the_run_within_60_s(tmp_path):
     """checkpoints/ cannot be created (a file holds its name): the run is refused
     up front, long before the save that used to fail and then hang at exit."""

@@ -57,6 +57,7 @@ def test_profile_steps_spec():
             metrics.parse_profile_steps(bad, 10)
 
 
+@pytest.mark.e2e
 def test_a_bad_profile_spec_is_refused_before_the_workdir(tmp_path):
     """(The files a run writes are checked on test_train.py's tiny run.)"""
     bad = tmp_path / "bad"

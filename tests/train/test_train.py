@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # every test here runs train.py in a subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config=configs/tiny.py", "--config.train.steps=8", "--config.train.log_every=1",
         "--config.checkpoint.every=4", "--config.train.eval_every=8"]
