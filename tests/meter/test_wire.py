@@ -1,4 +1,6 @@
-"""Tests for jcomp.meter.wire: bytes read from compiled programs and from hand-written HLO."""
+"""Tests for jcomp.meter.wire: bytes read from compiled programs and from hand-written HLO.
+How often each computation runs, and the branch selectors, are read by jcomp.meter.hlo:
+tests/meter/test_hlo.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -347,63 +349,6 @@ def test_unreadable_groups_raise_quoting_the_line():
         wire.parse_collectives(_module(line), MESH)
 
 
-def test_collective_with_unknown_dtype_raises():
-    line = "  ROOT %ar = q7[64]{0} all-reduce(%p), replica_groups={{0,1}}"
-    with pytest.raises(ValueError, match="q7"):
-        wire.parse_collectives(_module(line), MESH)
-
-
-NESTED = """
-%inner_body (a: f32[64]) -> f32[64] {
-  %a = f32[64]{0} parameter(0)
-  ROOT %ar.in = f32[64]{0} all-reduce(%a), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
-}
-
-%inner_cond (b: f32[64]) -> pred[] {
-  %b = f32[64]{0} parameter(0)
-  ROOT %cp.cond = f32[64]{0} collective-permute(%b), source_target_pairs={{0,1},{1,0}}
-}
-
-%outer_body (c: f32[64]) -> f32[64] {
-  %c = f32[64]{0} parameter(0)
-  ROOT %w.in = f32[64]{0} while(%c), condition=%inner_cond, body=%inner_body, metadata={op_name="x/body=%inner_body"}, backend_config={"known_trip_count":{"n":"4"}}
-}
-
-%outer_cond (d: f32[64]) -> pred[] {
-  ROOT %d = pred[] parameter(0)
-}
-"""
-
-
-def test_nested_loops_multiply_and_conditions_run_once_more():
-    body = ("  %p = f32[64]{0} parameter(0)\n"
-            "  ROOT %w.out = f32[64]{0} while(%p), condition=%outer_cond, body=%outer_body, "
-            'backend_config={"known_trip_count":{"n":"3"}}')
-    r = wire.from_text(_module(body, NESTED), _FakeMesh())
-    counts = {c.name: c.count for c in r.collectives}
-    assert counts == {"ar.in": 3 * 4, "cp.cond": 3 * (4 + 1)}
-    # only devices 0 and 1 of 8 send in cp.cond's pairs
-    assert r.by_axis() == {"data": 12 * 256.0, "pipeline": 15 * 256.0 * 2 / 8}
-    assert not r.notes
-
-
-def test_unknown_trip_count_and_branches_are_loud():
-    body = ("  %p = f32[64]{0} parameter(0)\n"
-            "  %w.out = f32[64]{0} while(%p), condition=%outer_cond, body=%outer_body\n"
-            "  ROOT %cond.1 = f32[64]{0} conditional(%p, %p, %p), "
-            "branch_computations={%inner_body, %outer_cond}")
-    r = wire.from_text(_module(body, NESTED), _FakeMesh())
-    counts = {c.name: c.count for c in r.collectives}
-    # %inner_body runs once as a branch and 1 * 4 times inside the unknown loop
-    assert counts == {"ar.in": 1 + 4, "cp.cond": 1 * 5}
-    ar = next(c for c in r.collectives if c.name == "ar.in")
-    assert "while w.out has no known trip count" in ar.caveat
-    assert "in a branch of conditional cond.1" in ar.caveat
-    table = r.table()
-    assert "5?" in table
-    assert all(f"({c.name}): " in table for c in r.collectives)
-
-
 ASYNC = """
 %add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
@@ -439,31 +384,6 @@ def test_async_starts_count_once_and_dones_are_ignored():
     assert (cs["rs"].axes, cs["rs"].group_size, cs["rs"].bytes_per_device) == (
         ("tensor", "pipeline"), 4, 3 * 64.0)
     assert all(c.count == 1 for c in cs.values())
-
-
-def test_computation_of_another_execution_thread_ends_where_it_closes():
-    """XLA prints an async thread's computation as `}, execution_thread="..."`: it
-    ends there, and the ENTRY's collectives after it are still read (and the
-    thread's own collective, called from ENTRY, is counted under its caller)."""
-    thread = "\n".join([
-        "%wrapped_ar (q: f32[64]) -> f32[64] {",
-        "  %q = f32[64]{0} parameter(0)",
-        "  ROOT %ar_t = f32[64]{0} all-reduce(%q), replica_groups={{0,1},{2,3},{4,5},{6,7}}, "
-        "to_apply=%add",
-        '}, execution_thread="parallel"',
-    ])
-    body = "\n".join([
-        "  %p = f32[64]{0} parameter(0)",
-        "  %s = ((f32[64]{0}), f32[64]{0}) async-start(%p), calls=%wrapped_ar",
-        "  %d = f32[64]{0} async-done(%s), calls=%wrapped_ar",
-        "  ROOT %ag = f32[128]{0} all-gather(%d), replica_groups={{0,2},{1,3},{4,6},{5,7}}, "
-        "dimensions={0}",
-    ])
-    add = ASYNC[:ASYNC.index("%wrapped_rs")]
-    cs = {c.name: c for c in wire.parse_collectives(_module(body, add + thread), MESH)}
-    assert sorted(cs) == ["ag", "ar_t"]
-    assert (cs["ag"].axes, cs["ag"].bytes_per_device) == (("tensor",), 256.0)
-    assert (cs["ar_t"].axes, cs["ar_t"].count) == (("pipeline",), 1)
 
 
 def test_raw_sends_are_named_in_the_notes():
@@ -502,130 +422,6 @@ def test_permute_across_two_axes_and_on_device_permute():
     assert lines[0].split()[6] == "share"
     assert lines[1].split() == ["collective-permute", "f32", "[64]", "data+tensor", "4", "1", "0.25",
                                 "256", "64"]
-
-
-# one all-reduce per branch, each over its own axis, so by_axis tells the branches apart
-BRANCHES = """
-%b0 (a: f32[64]) -> f32[64] {
-  %a = f32[64]{0} parameter(0)
-  ROOT %ar.data = f32[64]{0} all-reduce(%a), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
-}
-
-%b1 (b: f32[64]) -> f32[64] {
-  %b = f32[64]{0} parameter(0)
-  ROOT %ar.tensor = f32[64]{0} all-reduce(%b), replica_groups={{0,2},{1,3},{4,6},{5,7}}, to_apply=%add
-}
-
-%b2 (c: f32[64]) -> f32[64] {
-  %c = f32[64]{0} parameter(0)
-  ROOT %ar.pipe = f32[64]{0} all-reduce(%c), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
-}
-"""
-AR = 2 * (1 / 2) * 256  # bytes of one f32[64] all-reduce over a pair
-
-# partition id minus 3, in u32: it wraps below zero, so only ids 3 and 4 are below 2
-OFFSET = ("  %p = f32[64]{0} parameter(0)\n"
-          "  %pid = u32[] partition-id()\n"
-          "  %three = u32[] constant(3)\n"
-          "  %off = u32[] subtract(%pid, %three)\n")
-
-
-def test_branch_index_out_of_range_takes_the_last_branch():
-    body = OFFSET + (
-        "  %idx = s32[] convert(%off)\n"  # ids 0..7 give -3..4: only 3, 4, 5 are in range
-        "  %cond = f32[64]{0} conditional(%idx, %p, %p, %p), branch_computations={%b0, %b1, %b2}\n"
-        "  ROOT %again = f32[64]{0} call(%p), to_apply=%b2")
-    r = wire.from_text(_module(body, BRANCHES), _FakeMesh())
-    shares = {c.name: (c.count, c.share) for c in r.collectives}
-    # b2 runs on 6 of 8 devices in the conditional and on all 8 in the call: 14 of 16 runs
-    assert shares == {"ar.data": (1, 1 / 8), "ar.tensor": (1, 1 / 8), "ar.pipe": (2, 14 / 16)}
-    assert r.by_axis() == {"data": AR / 8, "tensor": AR / 8, "pipeline": AR * (6 / 8 + 1)}
-    assert not r.notes
-
-
-def test_pred_selector_picks_true_then_false_computation():
-    body = OFFSET + (
-        "  %two = u32[] constant(2)\n"
-        "  %lt = pred[] compare(%off, %two), direction=LT\n"
-        "  ROOT %cond = f32[64]{0} conditional(%lt, %p, %p), true_computation=%b0, "
-        "false_computation=%b1")
-    r = wire.from_text(_module(body, BRANCHES), _FakeMesh())
-    assert r.by_axis() == {"data": AR * 2 / 8, "tensor": AR * 6 / 8} and not r.notes
-
-
-@pytest.mark.parametrize("expr,k,ids", [
-    ("divide(%m7, %v1)", -1, {3, 4, 5, 6}),  # rounds toward zero: -7 / 4 is -1, not -2
-    ("remainder(%m7, %v1)", -1, {1, 2, 5}),  # has the dividend's sign
-    ("shift-right-arithmetic(%neg, %one)", -2, {3, 4}),  # sign fills: -3 >> 1 is -2
-    ("add(%max, %v)", -2**31, {1}),  # wraps at 32 bits
-    ("not(%v)", -8, {7}),  # bitwise: -1 - id
-])
-def test_selector_arithmetic_is_exact(expr, k, ids):
-    body = ("  %p = f32[64]{0} parameter(0)\n"
-            "  %pid = u32[] partition-id()\n"
-            "  %v = s32[] convert(%pid)\n"
-            "  %one = s32[] constant(1)\n"
-            "  %v1 = s32[] add(%v, %one)\n"
-            "  %m7 = s32[] constant(-7)\n"
-            "  %neg = s32[] negate(%v)\n"
-            "  %max = s32[] constant(2147483647)\n"
-            f"  %r = s32[] {expr}\n"
-            f"  %k = s32[] constant({k})\n"
-            "  %eq = pred[] compare(%r, %k), direction=EQ\n"
-            "  ROOT %cond = f32[64]{0} conditional(%eq, %p, %p), true_computation=%b0, "
-            "false_computation=%b1")
-    r = wire.from_text(_module(body, BRANCHES), _FakeMesh())
-    assert r.by_axis() == {"data": AR * len(ids) / 8, "tensor": AR * (8 - len(ids)) / 8}
-    assert not r.notes
-
-
-LOOP = """
-%body (s: (s32[], f32[64], s32[])) -> (s32[], f32[64], s32[]) {
-  %s = (s32[], f32[64]{0}, s32[]) parameter(0)
-  %i = s32[] get-tuple-element(%s), index=0
-  %x = f32[64]{0} get-tuple-element(%s), index=1
-  %sel = s32[] get-tuple-element(%s), index=2
-  %one = s32[] constant(1)
-  %i.next = s32[] add(%i, %one)
-  %y = f32[64]{0} conditional(%sel, %x, %x), branch_computations={%b0, %b1}
-  %sel.next = s32[] SEL_NEXT
-  ROOT %t = (s32[], f32[64]{0}, s32[]) tuple(%i.next, %y, %sel.next)
-}
-
-%loop_cond (q: (s32[], f32[64], s32[])) -> pred[] {
-  %q = (s32[], f32[64]{0}, s32[]) parameter(0)
-  %j = s32[] get-tuple-element(%q), index=0
-  %five = s32[] constant(5)
-  ROOT %more = pred[] compare(%j, %five), direction=LT
-}
-"""
-
-
-@pytest.mark.parametrize("invariant", [True, False])
-def test_selector_hoisted_out_of_a_loop(invariant):
-    # ids 6 and 7 (id >> 1 == 3) take b1; the selector enters the loop as element 2
-    body = ("  %p = f32[64]{0} parameter(0)\n"
-            "  %pid = u32[] partition-id()\n"
-            "  %one = u32[] constant(1)\n"
-            "  %half = u32[] shift-right-logical(%pid, %one)\n"
-            "  %three = u32[] constant(3)\n"
-            "  %top = pred[] compare(%half, %three), direction=EQ\n"
-            "  %sel = s32[] convert(%top)\n"
-            "  %zero = s32[] constant(0)\n"
-            "  %init = (s32[], f32[64]{0}, s32[]) tuple(%zero, %p, %sel)\n"
-            "  %w = (s32[], f32[64]{0}, s32[]) while(%init), condition=%loop_cond, body=%body, "
-            'backend_config={"known_trip_count":{"n":"5"}}\n'
-            "  ROOT %out = f32[64]{0} get-tuple-element(%w), index=1")
-    # an element the body rewrites is not the value that entered the loop
-    loop = LOOP.replace("SEL_NEXT", "get-tuple-element(%s), index=2" if invariant else "add(%sel, %one)")
-    r = wire.from_text(_module(body, BRANCHES + loop), _FakeMesh())
-    assert {c.name: c.count for c in r.collectives} == {"ar.data": 5, "ar.tensor": 5}
-    if invariant:
-        assert r.by_axis() == {"data": 5 * AR * 6 / 8, "tensor": 5 * AR * 2 / 8} and not r.notes
-    else:
-        assert r.by_axis() == {"data": 5 * AR, "tensor": 5 * AR}
-        assert r.notes == ["2 collective(s) (ar.data, ar.tensor): in a branch of conditional y: "
-                           "counted as if it always runs"]
 
 
 def test_unmeasured_ops_are_noted():

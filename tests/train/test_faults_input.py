@@ -145,8 +145,8 @@ def test_uncreatable_checkpoint_directory_ends_the_run_within_60_s(tmp_path):
     assert_refused(out, [str(workdir / "checkpoints")], str(workdir), before)
 
 
-# Refusals inside the trainer's config check, called in this process (the
-# command-line path for this kind of refusal is the warm-up case above).
+# In this process: a token source set up as the config check's refusal says
+# (the refusals themselves are tested in tests/train/test_runspec.py).
 
 def _tiny(**overrides):
     sys.path.insert(0, ROOT)
@@ -159,32 +159,6 @@ def _tiny(**overrides):
             node = node[part]
         node[leaf] = value
     return cfg
-
-
-@pytest.mark.parametrize("overrides,named", [
-    ({"compression.error_feedback": "on"},
-     ["compression.error_feedback='on'", "nothing to feed back", "compression.data.grad"]),
-    ({"data.token_dtype": "uint16"}, ["data.token_dtype='uint16'", "tokens:", "token_dtype=''"]),
-    ({"data.source": "tokens:/x.bin", "data.token_dtype": "uint16"},
-     ["data.tokenizer='bytes'", "--config.data.tokenizer=''"]),
-    ({"compression.data.grad": "int8", "compression.schedule.data.grad": "@20"},
-     ["compression.schedule", "step 20", "train.steps=12"]),
-    ({"train.nonfinite_limit": 0}, ["train.nonfinite_limit", "> 0"]),
-])
-def test_settings_no_step_would_use_are_refused(overrides, named):
-    from jcomp.train import runspec
-    with pytest.raises(runspec.UsageError) as e:
-        runspec.validate(_tiny(**overrides), 8)
-    for n in named:
-        assert n in str(e.value), (n, str(e.value))
-
-
-def test_error_feedback_on_with_a_lossy_codec_is_accepted():
-    """The refusal above is about having nothing to feed back, not about 'on'."""
-    from jcomp.train import runspec
-    spec = runspec.validate(_tiny(**{"compression.error_feedback": "on",
-                                     "compression.data.grad": "int8"}), 8)
-    assert spec.zero.error_feedback
 
 
 def test_token_source_with_empty_tokenizer_loads(tmp_path):
