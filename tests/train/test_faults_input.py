@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from tests.train.tinyconfig import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config=configs/tiny.py"]
@@ -148,17 +149,7 @@ def test_uncreatable_checkpoint_directory_ends_the_run_within_60_s(tmp_path):
 # In this process: a token source set up as the config check's refusal says
 # (the refusals themselves are tested in tests/train/test_runspec.py).
 
-def _tiny(**overrides):
-    sys.path.insert(0, ROOT)
-    from configs import tiny
-    cfg = tiny.get_config()
-    for name, value in overrides.items():
-        node = cfg
-        *parents, leaf = name.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return cfg
+_tiny = tiny_config
 
 
 def test_token_source_with_empty_tokenizer_loads(tmp_path):

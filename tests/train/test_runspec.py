@@ -4,8 +4,6 @@ and the UsageError naming the field of a config it refuses."""
 import dataclasses
 import inspect
 import json
-import os
-import sys
 
 import pytest
 
@@ -14,21 +12,9 @@ from jcomp.gpt import policy as policy_lib
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.gpt import step, zero
 from jcomp.train import runspec
+from tests.train.tinyconfig import tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _tiny(**overrides):
-    sys.path.insert(0, ROOT)
-    from configs import tiny
-    cfg = tiny.get_config()
-    for name, value in overrides.items():
-        node = cfg
-        *parents, leaf = name.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return cfg
+_tiny = tiny_config
 
 
 # ---------------------------------------------------------------- refusals
@@ -44,7 +30,6 @@ def _tiny(**overrides):
     ({"train.nonfinite_limit": 0}, ["train.nonfinite_limit", "> 0"]),
 ])
 def test_settings_no_step_would_use_are_refused(overrides, named):
-    from jcomp.train import runspec
     with pytest.raises(runspec.UsageError) as e:
         runspec.validate(_tiny(**overrides), 8)
     for n in named:
@@ -53,7 +38,6 @@ def test_settings_no_step_would_use_are_refused(overrides, named):
 
 def test_error_feedback_on_with_a_lossy_codec_is_accepted():
     """The refusal above is about having nothing to feed back, not about 'on'."""
-    from jcomp.train import runspec
     spec = runspec.validate(_tiny(**{"compression.error_feedback": "on",
                                      "compression.data.grad": "int8"}), 8)
     assert spec.zero.error_feedback

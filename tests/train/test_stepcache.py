@@ -2,8 +2,6 @@
 programs kept per compression phase, each built when its phase first comes up.
 The builders are stood in for where only the cache is under test; one eval
 program of configs/tiny.py is really compiled."""
-import os
-import sys
 import types
 
 import jax
@@ -16,21 +14,10 @@ from jcomp.gpt import model as gpt
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.gpt import sharding
 from jcomp.train import runspec, stepcache
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from tests.train.tinyconfig import tiny_config
 
 def _tiny_run(**overrides):
-    sys.path.insert(0, ROOT)
-    from configs import tiny
-    cfg = tiny.get_config()
-    for name, value in overrides.items():
-        node = cfg
-        *parents, leaf = name.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return runspec.validate(cfg, 8)
+    return runspec.validate(tiny_config(**overrides), 8)
 
 
 @pytest.fixture(scope="module")
