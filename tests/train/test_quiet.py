@@ -172,8 +172,13 @@ def test_failed_save_filter_drops_only_orbax_errors_logged_with_their_exception(
 
 def test_demote_failed_save_errors_installs_once():
     absl_log = logging.getLogger("absl")
-    filters, hook = list(absl_log.filters), sys.unraisablehook
+    filters, saved_hook = list(absl_log.filters), sys.unraisablehook
     try:
+        # From a process where nothing installed them yet (another test in this
+        # worker may have: the hook and the filter are process-wide).
+        absl_log.filters[:] = [f for f in filters if not isinstance(f, quiet._FailedSaveFilter)]
+        hook = sys.__unraisablehook__
+        sys.unraisablehook = hook
         quiet.demote_failed_save_errors()
         wrapped = sys.unraisablehook
         quiet.demote_failed_save_errors()
@@ -182,7 +187,7 @@ def test_demote_failed_save_errors_installs_once():
         assert sum(isinstance(f, quiet._FailedSaveFilter) for f in absl_log.filters) == 1
     finally:
         absl_log.filters[:] = filters
-        sys.unraisablehook = hook
+        sys.unraisablehook = saved_hook
 
 
 def test_late_writes_of_a_failed_save_are_not_reported():
