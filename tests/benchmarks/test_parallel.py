@@ -192,6 +192,7 @@ def test_defaults_and_quick_always_include_the_baseline():
     assert args.reference is True
 
 
+@pytest.mark.slow
 def test_jit_dp_reference_computes_the_baseline_step():
     """The plain jax.jit data-parallel row trains the same model on the same batch:
     its first loss is the baseline policy's, and its bytes are XLA's gradient

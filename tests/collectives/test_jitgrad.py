@@ -39,6 +39,7 @@ def _same(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_none_is_the_plain_step(mesh, monkeypatch, dtype):
     """codec="none" reduces with lax's all-reduce, the one XLA inserts: every axis
@@ -67,6 +68,7 @@ def test_none_is_the_plain_step(mesh, monkeypatch, dtype):
     np.testing.assert_allclose(l_ours, l_plain, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_int8_sends_a_quarter_over_data_and_trains_as_plain(runs):
     _, l_plain, r_plain = runs(None)
     _, l_ours, r_ours = runs("int8")
@@ -80,6 +82,7 @@ def test_int8_sends_a_quarter_over_data_and_trains_as_plain(runs):
     assert l_plain[-1] < 0.5 * l_plain[0]  # the task is learned, so the 1% says something
 
 
+@pytest.mark.slow
 def test_accumulation_reduces_once_per_step(runs):
     """lax.scan over 4 microbatches: the plain program all-reduces over "data" in
     every iteration; value_and_grad's reduction runs once per step, and with int8
@@ -99,6 +102,7 @@ def test_accumulation_reduces_once_per_step(runs):
     assert abs(l_ours[-1] / l_plain[-1] - 1) < 0.01, (l_ours[-1], l_plain[-1])
 
 
+@pytest.mark.slow
 def test_scatter_and_gather_params(mesh):
     """ZeRO's form: scatter=True returns each gradient reduce-scattered over data
     (the plain gradient's values, sharded as scatter_specs says); gather_params
@@ -171,6 +175,7 @@ def test_has_aux_is_averaged_as_the_loss(mesh, microbatches):
     assert float(aux["tokens"]) == 64 // 4 // microbatches * js.SEQ
 
 
+@pytest.mark.slow
 def test_the_benchmark_reports_bytes_and_times_side_by_side(tmp_path, capsys):
     """benchmarks/jit_step.py at its smallest: both steps' bytes per axis, their
     median step times and final losses, printed and written with the commit."""

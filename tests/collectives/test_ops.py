@@ -16,7 +16,9 @@ from jcomp.meter import wire
 
 AXES = jmesh.AXES
 EVERY = P(AXES)  # one block per device along the leading dim
-CODECS = ["bf16", "fp16", "fp8", "int8", "int4", "int4:rot", "int2", "int8:sr", "topk:0.25", "randk:0.5"]
+CODECS = ["bf16", "fp16", "fp8", "int8", "int4", "int4:rot", "int2", "int8:sr",
+          pytest.param("topk:0.25", marks=pytest.mark.slow),
+          pytest.param("randk:0.5", marks=pytest.mark.slow)]
 PERM = ((0, 1), (1, 0))
 
 
@@ -405,6 +407,7 @@ def test_error_feedback_carries_what_was_not_sent(mesh, codec):
     assert _rel(sent_total, exact_total) < _rel(plain_total, exact_total) / 4
 
 
+@pytest.mark.slow
 def test_error_feedback_restores_sgd_convergence_under_int2(mesh):
     """Data-parallel SGD on least squares, gradients all-reduced over 'data' with
     int2: without feedback it stalls far from the optimum, with feedback it ends

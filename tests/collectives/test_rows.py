@@ -25,9 +25,10 @@ R, J = 4, 1  # rows per device; the row perturbed
 BLOCK = 16
 LENGTHS = (6, BLOCK, 40)  # shorter than, equal to and longer than a block
 # Every codec, and the options that change what a block is (rot) or draws (sr).
-LOSSY = ["bf16", "fp16", f"fp8:block={BLOCK}", f"int8:block={BLOCK}", f"int4:block={BLOCK}",
-         f"int2:block={BLOCK}", f"int8:block={BLOCK}:rot", f"int4:block={BLOCK}:sr:rot",
-         "topk:0.25", "randk:0.5"]
+LOSSY = ["bf16", "fp16", pytest.param(f"fp8:block={BLOCK}", marks=pytest.mark.slow),
+         f"int8:block={BLOCK}", f"int4:block={BLOCK}", f"int2:block={BLOCK}",
+         f"int8:block={BLOCK}:rot", pytest.param(f"int4:block={BLOCK}:sr:rot", marks=pytest.mark.slow),
+         pytest.param("topk:0.25", marks=pytest.mark.slow), "randk:0.5"]
 PERM = ((0, 1), (1, 0))
 
 

@@ -32,6 +32,7 @@ def _sizes_module():
     return sizes
 
 
+@pytest.mark.slow
 def test_no_cell_sends_more_than_lax_except_named_raw_sends():
     """The smallest form of `benchmarks/collectives.py --sizes`: every op, two
     codecs, sizes 1, 7 and 4096 on an axis of 4, each cell read from its compiled

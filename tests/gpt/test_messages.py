@@ -87,6 +87,7 @@ def _is_coded(c) -> bool:
     # Remat recomputes the forward sends in the backward pass: they stay forward messages.
     ({"tensor.act": "int8", "pipeline.act": "int8"}, (1, 2, 4), True),
 ])
+@pytest.mark.slow
 def test_compressed_messages_in_the_plan_are_the_coded_collectives_of_the_program(
         overrides, shape, remat):
     """The plan's compressed messages, by axis, are exactly the axes whose

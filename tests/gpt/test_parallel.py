@@ -94,6 +94,7 @@ def test_no_implicit_full_precision_gradient_reduction(reference):
     assert not big_f32, report.table()
 
 
+@pytest.mark.slow
 def test_compressed_training_tracks_baseline(reference):
     """A few Adam steps with int8 on tensor and pipeline stay within 1% of the baseline loss."""
     params, batch, _, _ = reference
@@ -165,6 +166,7 @@ def _loss_and_grads(pol, shape, reference, remat=False):
     return float(loss), jax.tree.leaves(grads)
 
 
+@pytest.mark.slow
 def test_layer_selection_is_the_same_model_with_and_without_pipeline_stages(reference):
     """With 2 stages of 4 layers, each stage picks its own variant per layer (a
     conditional on the stage); with 1 stage the choice is static. Same codec per
@@ -189,6 +191,7 @@ def test_layer_selection_is_the_same_model_with_and_without_pipeline_stages(refe
     assert abs(piped[0] - flat[0]) <= 1e-5 * abs(flat[0])
 
 
+@pytest.mark.slow
 def test_layer_selection_bytes_are_exactly_the_selected_layers(reference):
     """Tensor bytes grow by the same amount for every layer left uncompressed,
     whether its stages agree (static scan) or not (a conditional on the stage,
@@ -207,6 +210,7 @@ def test_layer_selection_bytes_are_exactly_the_selected_layers(reference):
         assert r.by_axis()["tensor"] == pytest.approx(every + off / 2 * d2, rel=1e-12), sel
 
 
+@pytest.mark.slow
 def test_stage_selection_sends_compressed_only_from_the_selected_stages(reference):
     """Pipeline of 4 stages. A stage's messages are its forward send (the last
     stage: the output all-reduce) and its backward send (the first stage: the

@@ -210,6 +210,7 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+@pytest.mark.e2e
 def test_collectives_stay_uncompressed_until_each_entry_starts(runs):
     plain, rec, _, _ = runs
     wire = lambda r: (r["wire_bytes_data"], r["wire_bytes_tensor"], r["wire_bytes_pipeline"])
@@ -224,6 +225,7 @@ def test_collectives_stay_uncompressed_until_each_entry_starts(runs):
     assert "conditional" not in rec[3].get("wire_notes", ""), rec[3]["wire_notes"]
 
 
+@pytest.mark.e2e
 def test_each_phase_is_named_in_metrics_and_the_log_on_its_first_step(runs):
     _, rec, lines, _ = runs
     assert [rec[s].get("compression") for s in (1, 2, 3)] == [

@@ -74,6 +74,7 @@ def _compiled_report(pol_name, **kw):
     return wire.measure_compiled(fn.lower(state, batch).compile(), mesh)
 
 
+@pytest.mark.slow
 def test_hybrid_step_sends_about_as_many_messages_as_the_baseline():
     """Bucketed gradients and parameters, and one buffer per payload: the hybrid step
     compiles to the baseline's collectives plus at most one per coded reduction (an
