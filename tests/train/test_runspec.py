@@ -19,6 +19,14 @@ _tiny = tiny_config
 
 # ---------------------------------------------------------------- refusals
 
+def _assert_refused(overrides, named):
+    """tiny's config with `overrides` is refused by a UsageError naming all of `named`."""
+    with pytest.raises(runspec.UsageError) as e:
+        runspec.validate(_tiny(**overrides), 8)
+    for n in named:
+        assert n in str(e.value), (n, str(e.value))
+
+
 @pytest.mark.parametrize("overrides,named", [
     ({"compression.error_feedback": "on"},
      ["compression.error_feedback='on'", "nothing to feed back", "compression.data.grad"]),
@@ -30,10 +38,7 @@ _tiny = tiny_config
     ({"train.nonfinite_limit": 0}, ["train.nonfinite_limit", "> 0"]),
 ])
 def test_settings_no_step_would_use_are_refused(overrides, named):
-    with pytest.raises(runspec.UsageError) as e:
-        runspec.validate(_tiny(**overrides), 8)
-    for n in named:
-        assert n in str(e.value), (n, str(e.value))
+    _assert_refused(overrides, named)
 
 
 def test_error_feedback_on_with_a_lossy_codec_is_accepted():
@@ -84,10 +89,7 @@ def test_usage_error_is_a_value_error():
      ["compression.warmup_steps=12", "train.steps=12"]),
 ])
 def test_a_bad_field_is_refused_by_name(overrides, named):
-    with pytest.raises(runspec.UsageError) as e:
-        runspec.validate(_tiny(**overrides), 8)
-    for n in named:
-        assert n in str(e.value), (n, str(e.value))
+    _assert_refused(overrides, named)
 
 
 def test_warmup_steps_below_train_steps_is_accepted():
