@@ -32,6 +32,11 @@ def _check(name, value, ok: bool, allowed: str):
         raise ValueError(f"{name} must be {allowed}; got {value}")
 
 
+def check_clip_norm(clip_norm) -> None:
+    """Global-norm clipping threshold: a finite number >= 0 (0 disables)."""
+    _check("clip_norm", _number("clip_norm", clip_norm), clip_norm >= 0, ">= 0 (0 disables)")
+
+
 def make_schedule(*, lr, warmup_steps, total_steps, min_lr_ratio=0.0) -> optax.Schedule:
     """Linear warm-up from 0 to `lr` over `warmup_steps`, then cosine decay to
     `min_lr_ratio * lr` at `total_steps` (constant after). ValueError names a bad field."""

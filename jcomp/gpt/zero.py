@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +72,7 @@ from jcomp import collectives as cc
 from jcomp.collectives import powersgd
 from jcomp.collectives.buckets import RowView, bucketed
 from jcomp.collectives.scope import message_scope
+from jcomp.gpt import hyperparams
 
 SHARD_AXES = ("tensor", "pipeline")  # the axes working params may be split over
 
@@ -345,13 +345,6 @@ def _reduce(flats, res, message, key, bucket_bytes):
         return cc.psum_scatter(flats, "data", **kw), None
 
 
-def _check_clip_norm(clip_norm):
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real):
-        raise TypeError(f"clip_norm must be a number; got {clip_norm!r}")
-    if not math.isfinite(clip_norm) or clip_norm < 0:
-        raise ValueError(f"clip_norm must be >= 0 (0 disables); got {clip_norm}")
-
-
 def _check_plan(plan, layout: Layout):
     """A phase's plan fits the layout: it may drop PowerSGD but not bring in
     another one (Q's shape is the layout's); parameter gathers send byte codecs."""
@@ -386,7 +379,7 @@ def apply_updates(grads, params, zstate, *, tx, plan, layout: Layout, param_spec
                     gradient units, before the /D), when error feedback is on}).
     A non-finite gradient gives a non-finite grad_norm and update, never a finite one.
     """
-    _check_clip_norm(clip_norm)
+    hyperparams.check_clip_norm(clip_norm)
     _check_plan(plan, layout)
     ef_on, psgd = layout.error_feedback, layout.powersgd
     for name, on in (("ef", ef_on), ("psgd_q", psgd is not None)):
