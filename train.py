@@ -159,10 +159,18 @@ def _check_config_file(argv):
         cfg = module.get_config(*([arg] if arg is not None else []))
     except Exception as e:  # noqa: BLE001  (the config file's own code may raise anything)
         _fail(f"--config={value}: {_raised_by_config_file(e, path)}")
-    if isinstance(cfg, ConfigDict):
-        for a in argv[1:]:
-            if a.startswith("--config."):
-                _check_field(cfg, a.split("=", 1)[0])
+    # Refused here rather than after flag parsing: for a None, config_flags would
+    # first log a two-line warning of its own.
+    _check_is_config(value, cfg)
+    for a in argv[1:]:
+        if a.startswith("--config."):
+            _check_field(cfg, a.split("=", 1)[0])
+
+
+def _check_is_config(value: str, cfg):
+    if not isinstance(cfg, ConfigDict):
+        got = "None (a missing return statement?)" if cfg is None else type(cfg).__name__
+        _fail(f"--config={value}: get_config() returned {got}, not a ConfigDict")
 
 
 def _check_field(cfg, flag: str):
@@ -187,8 +195,7 @@ def _loaded_config(argv):
         _fail(f"--config={value}: {e.__cause__ or e}")
     except AttributeError:
         pass
-    if not isinstance(cfg, ConfigDict):
-        _fail(f"--config={value}: get_config() returned {type(cfg).__name__}, not a ConfigDict")
+    _check_is_config(value, cfg)
     return cfg
 
 

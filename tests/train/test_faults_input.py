@@ -132,6 +132,21 @@ def test_user_errors_exit_2_with_one_line_and_leave_the_workdir_as_it_was(tmp_pa
 
 
 @pytest.mark.e2e
+def test_a_config_file_returning_none_prints_exactly_one_line(tmp_path):
+    """Refused before flag parsing: ml_collections' own warning about a None
+    config (two lines of absl logging) never comes."""
+    none = tmp_path / "none.py"
+    none.write_text("def get_config():\n    pass\n")
+    proc = subprocess.run([sys.executable, "train.py", f"--workdir={tmp_path / 'w'}",
+                           f"--config={none}"], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (f"train.py: error: --config={none}: get_config() returned None "
+                           "(a missing return statement?), not a ConfigDict\n")
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.e2e
 def test_uncreatable_checkpoint_directory_ends_the_run_within_60_s(tmp_path):
     """checkpoints/ cannot be created (a file holds its name): the run is refused
     up front, long before the save that used to fail and then hang at exit."""
