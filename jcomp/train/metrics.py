@@ -290,10 +290,11 @@ def _human_count(n: float) -> str:
 
 
 class Progress:
-    """A tqdm bar over steps [start_step, total_steps) showing loss and tokens/s.
+    """A tqdm bar over steps [start_step, total_steps) showing loss, tokens/s and
+    the bytes each device sends per step, in MB (10^6 bytes).
 
     enabled=None shows it on process 0 only. tqdm falls back to plain lines when
-    stderr is not a terminal.
+    stderr is not a terminal. `write` prints text above the bar, on stdout.
     """
 
     def __init__(self, total_steps: int, start_step: int = 0, enabled: Optional[bool] = None, file=None):
@@ -316,17 +317,24 @@ class Progress:
             unit="step", dynamic_ncols=True, file=file,
         )
 
-    def update(self, step: int, loss=None, tokens_per_s=None, **extra):
+    def update(self, step: int, loss=None, tokens_per_s=None, bytes_per_step=None, **extra):
         """Moves the bar to `step` (steps done) and shows the given values."""
         shown = {}
         if loss is not None:
             shown["loss"] = f"{float(loss):.4f}"
         if tokens_per_s is not None:
             shown["tok/s"] = _human_count(float(tokens_per_s))
+        if bytes_per_step is not None:
+            shown["MB/step"] = f"{float(bytes_per_step) / 1e6:.3g}"
         shown.update({k: (f"{float(v):.4g}" if isinstance(v, numbers.Real) else v) for k, v in extra.items()})
         if shown:
             self.bar.set_postfix(shown, refresh=False)
         self.bar.update(int(step) - self.bar.n)
+
+    def write(self, text: str):
+        """`text` on stdout, above the bar (nothing where the bar is disabled)."""
+        if not self.bar.disable:
+            self.bar.write(text, file=sys.stdout)
 
     def close(self):
         self.bar.close()

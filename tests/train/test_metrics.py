@@ -153,11 +153,31 @@ def test_progress_shows_loss_and_rate():
     assert "20/100" in text and "loss=2.3457" in text and "tok/s=12.3k" in text
 
 
-def test_progress_disabled_prints_nothing():
+@pytest.mark.parametrize("sent,shown", [(9_787_919.0, "MB/step=9.79"),
+                                        (46_059.0, "MB/step=0.0461")])
+def test_progress_shows_megabytes_per_step(sent, shown):
+    out = io.StringIO()
+    with Progress(10, enabled=True, file=out) as bar:
+        bar.update(1, loss=2.0, tokens_per_s=1000.0, bytes_per_step=sent)
+    assert out.getvalue().rstrip().endswith(f"loss=2.0000, tok/s=1k, {shown}]")
+
+
+def test_progress_writes_text_above_the_bar_on_stdout(capsys):
+    out = io.StringIO()
+    with Progress(10, enabled=True, file=out) as bar:
+        bar.update(1, loss=2.0)
+        bar.write("a table\nof two lines")
+        bar.update(2, loss=1.9)
+    assert capsys.readouterr().out == "a table\nof two lines\n"
+    assert "a table" not in out.getvalue() and "loss=1.9000" in out.getvalue()
+
+
+def test_progress_disabled_prints_nothing(capsys):
     out = io.StringIO()
     with Progress(10, 0, enabled=False, file=out) as bar:
         bar.update(5, loss=1.0)
-    assert out.getvalue() == ""
+        bar.write("a table")
+    assert out.getvalue() == "" and capsys.readouterr().out == ""
 
 
 def test_progress_rejects_bad_steps():
