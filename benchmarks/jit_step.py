@@ -1,10 +1,12 @@
 """A MaxText-shaped `jax.jit` train step, plain and with jcomp's gradient reduction.
 
-    python -m benchmarks.jit_step [--codec int8] [--microbatches 1] [--repeats 5]
+    python -m benchmarks.jit_step [--codec int8] [--microbatches 1] [--fsdp] [--repeats 5]
                                   [--steps 20] [--out benchmarks/results/jit_step/CODEC.json]
 
 The step: a Flax model whose parameters carry logical axis names, mapped to
-a (data 4, model 2) Auto mesh by logical axis rules; bf16 parameters (the
+a (data 4, model 2) Auto mesh by logical axis rules (with --fsdp, "embed" maps
+to "data" too: every parameter with an embed dimension is split over the
+batch axis, FSDP as nanoDO writes it); bf16 parameters (the
 MLP's) beside float32 ones (embedding, norms, output); the MLP blocks under
 `nn.remat`; optax AdamW; the batch split over "data". No shard_map in the
 model: XLA inserts every collective of the plain step. The jcomp step differs
@@ -39,6 +41,7 @@ from jcomp import collectives as cc
 from jcomp.meter import wire
 
 RULES = (("batch", "data"), ("embed", None), ("mlp", "model"), ("vocab", "model"))
+FSDP_RULES = (("batch", "data"), ("embed", "data"), ("mlp", "model"), ("vocab", "model"))
 VOCAB, EMBED, MLP, LAYERS, SEQ = 256, 128, 512, 2, 8
 MLP_DTYPE = jnp.bfloat16  # the MLP's parameters and compute; the rest float32
 
@@ -77,11 +80,11 @@ def loss_fn(params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
-def init(mesh, seed=0):
+def init(mesh, seed=0, fsdp=False):
     """-> (params, param_specs (mesh axes), optimizer, opt_state), placed on the mesh."""
     abstract = jax.eval_shape(lambda: Model().init(jax.random.key(seed), jnp.zeros((1, SEQ), jnp.int32)))
     logical = nn.get_partition_spec(abstract)["params"]
-    specs = nn.logical_to_mesh(logical, RULES)
+    specs = nn.logical_to_mesh(logical, FSDP_RULES if fsdp else RULES)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     params = jax.jit(lambda: nn.unbox(Model().init(jax.random.key(seed),
                                                    jnp.zeros((1, SEQ), jnp.int32))["params"]),
@@ -109,7 +112,7 @@ def make_step(mesh, specs, tx, *, codec=None, microbatches=1, scatter=False):
             return _plain_accumulate(params, batch, microbatches)
     else:
         grads_of = cc.value_and_grad(loss_fn, mesh=mesh, param_specs=specs, codec=codec,
-                                     microbatches=microbatches)
+                                     mean_over="examples", microbatches=microbatches)
 
     def step(params, opt_state, batch):
         loss, grads = grads_of(params, batch)
@@ -135,10 +138,10 @@ def _plain_accumulate(params, batch, k):
     return loss_sum / k, jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
 
 
-def train(mesh, codec=None, steps=20, microbatches=1, seed=0):
+def train(mesh, codec=None, steps=20, microbatches=1, seed=0, fsdp=False):
     """-> (final params, losses per step, the compiled step's wire report)."""
     with jax.set_mesh(mesh):  # the program's mesh context, as MaxText sets it
-        params, specs, tx, opt_state = init(mesh, seed)
+        params, specs, tx, opt_state = init(mesh, seed, fsdp)
         step = make_step(mesh, specs, tx, codec=codec, microbatches=microbatches)
         report, losses = None, []
         for batch in batches(mesh, steps, seed=seed):
@@ -154,13 +157,23 @@ def data_collectives(report) -> int:
     return sum(c.count for c in report.collectives if c.axes == ("data",))
 
 
-def _timed(mesh, codec, steps, microbatches):
+def bytes_over(report) -> dict:
+    """Bytes per device and step of the collectives that cross each mesh axis (a
+    collective over several axes counts for each): what each axis's links carry."""
+    out = {}
+    for key, b in report.by_axis().items():
+        for axis in key.split("+"):
+            out[axis] = out.get(axis, 0.0) + b
+    return out
+
+
+def _timed(mesh, codec, steps, microbatches, fsdp=False):
     with jax.set_mesh(mesh):
-        return _timed_in(mesh, codec, steps, microbatches)
+        return _timed_in(mesh, codec, steps, microbatches, fsdp)
 
 
-def _timed_in(mesh, codec, steps, microbatches):
-    params, specs, tx, opt_state = init(mesh)
+def _timed_in(mesh, codec, steps, microbatches, fsdp):
+    params, specs, tx, opt_state = init(mesh, fsdp=fsdp)
     step = make_step(mesh, specs, tx, codec=codec, microbatches=microbatches)
     data = list(batches(mesh, steps + 1))
     params, opt_state, loss = step(params, opt_state, data[0])  # compile
@@ -185,36 +198,42 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--microbatches", type=int, default=1)
+    ap.add_argument("--fsdp", action="store_true",
+                    help="split the parameters over the batch axis too (FSDP over data)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     mesh = make_mesh()
-    out = {"codec": args.codec, "microbatches": args.microbatches, "steps": args.steps,
+    out = {"codec": args.codec, "microbatches": args.microbatches, "fsdp": args.fsdp,
+           "steps": args.steps,
            "mesh": dict(mesh.shape), "jax": jax.__version__, "git_commit": _commit()}
     for name, codec in (("plain", None), ("jcomp", args.codec)):
-        _, losses, report = train(mesh, codec, args.steps, args.microbatches)
-        out[name] = {"bytes_by_axis": report.by_axis(), "total_bytes": report.total(),
+        _, losses, report = train(mesh, codec, args.steps, args.microbatches, fsdp=args.fsdp)
+        out[name] = {"bytes_by_axis": report.by_axis(), "bytes_over_axis": bytes_over(report),
+                     "total_bytes": report.total(), "collectives": len(report.collectives),
                      "data_collectives": data_collectives(report), "final_loss": losses[-1],
                      "notes": report.notes}
     times = {"plain": [], "jcomp": []}
     for _ in range(args.repeats):
         for name, codec in (("plain", None), ("jcomp", args.codec)):
-            times[name].append(_timed(mesh, codec, args.steps, args.microbatches))
+            times[name].append(_timed(mesh, codec, args.steps, args.microbatches, args.fsdp))
     for name in times:
         out[name]["step_s"] = times[name]
         out[name]["median_step_s"] = statistics.median(times[name])
     p, j = out["plain"], out["jcomp"]
-    print(f"codec {args.codec}, microbatches {args.microbatches}, mesh {out['mesh']}, "
+    print(f"codec {args.codec}, microbatches {args.microbatches}, "
+          f"{'FSDP over data, ' if args.fsdp else ''}mesh {out['mesh']}, "
           f"{args.repeats} repeats of {args.steps} steps")
-    for axis in sorted(set(p["bytes_by_axis"]) | set(j["bytes_by_axis"])):
-        a, b = p["bytes_by_axis"].get(axis, 0.0), j["bytes_by_axis"].get(axis, 0.0)
+    for axis in sorted(set(p["bytes_over_axis"]) | set(j["bytes_over_axis"])):
+        a, b = p["bytes_over_axis"].get(axis, 0.0), j["bytes_over_axis"].get(axis, 0.0)
         print(f"  bytes over {axis:<12} plain {a:>12.0f}  jcomp {b:>12.0f}  "
               f"ratio {b / a if a else float('nan'):.3f}")
     print(f"  bytes in all         plain {p['total_bytes']:>12.0f}  jcomp {j['total_bytes']:>12.0f}"
           f"  ratio {j['total_bytes'] / p['total_bytes']:.3f}")
     print(f"  collectives over data per step: plain {p['data_collectives']}, "
-          f"jcomp {j['data_collectives']}")
+          f"jcomp {j['data_collectives']}; collectives in the program: plain "
+          f"{p['collectives']}, jcomp {j['collectives']}")
     print(f"  median step: plain {p['median_step_s'] * 1e3:.2f} ms, jcomp "
           f"{j['median_step_s'] * 1e3:.2f} ms, ratio {j['median_step_s'] / p['median_step_s']:.3f}")
     print(f"  loss after {args.steps} steps: plain {p['final_loss']:.4f}, "

@@ -1,58 +1,60 @@
-"""Compressed gradient reduction for `jax.jit` programs (MaxText / Levanter style).
+"""Compressed gradient reduction for `jax.jit` programs (MaxText, nanoDO, Levanter).
 
 Such a program has no `shard_map`: parameters carry `NamedSharding`s over
-automatic mesh axes ("model", "fsdp"), the batch is split over "data", and XLA
-inserts the gradient all-reduce over "data" itself, in full precision, before
-any user code sees the gradients (so `cc.pmean` on finished gradients
-compresses nothing: they are already summed). This module takes that one
-reduction over:
+automatic mesh axes, the batch is split over the batch axes ("data", and
+MaxText's "fsdp"), and XLA inserts the gradient reduction itself, in full
+precision, before any user code sees the gradients (so `cc.pmean` on finished
+gradients compresses nothing: they are already summed). This module takes that
+reduction over, in one call in place of `jax.value_and_grad`:
 
-    grad_fn = cc.value_and_grad(loss_fn, mesh=mesh, param_specs=specs, codec="int8")
-    loss, grads = grad_fn(params, batch)          # inside the user's jax.jit
+    grads_of = cc.value_and_grad(loss_fn, mesh=mesh, param_specs=specs,
+                                 mean_over="examples", codec="int8")
+    loss, grads = grads_of(params, batch)          # inside the user's jax.jit
 
-Inside, a `shard_map` manual over the data axes only computes each data
-rank's local gradient (the other axes stay automatic, so the model's own
-tensor-parallel collectives are XLA's, unchanged), and a second `shard_map`
-nested in it, manual over the parameters' own axes, reduces each device's
-shard of each gradient with `jcomp.collectives`: no leaf is gathered over an
-automatic axis, and leaves share flat buckets only on block boundaries
-(`rows="flat"`: no leaf's scale is set by another). With `codec="none"` the
-reduction is `lax.pmean`, the all-reduce XLA would have inserted, and the
-bytes per axis are the plain program's; the values agree to the last bits
-only, since XLA compiles the per-rank forward and backward inside the map on
-their own and may fuse and order their float operations differently.
+How. A `shard_map` manual over the batch axes only (`data_axes`) runs
+`loss_fn` on each rank's share of the batch; the other axes stay automatic, so
+the model's tensor parallelism is XLA's as written. Parameters split over a
+batch axis (FSDP) are all-gathered at the start with `param_codec` and their
+gradients reduce-scattered back with `codec`; the rest are all-reduced with
+`codec`. Both run in a second `shard_map` nested in the first, manual over the
+parameters' own axes, so no leaf is gathered over an automatic axis; leaves of
+one dtype and layout share flat buckets on block boundaries (`rows="flat"`),
+so one collective carries many leaves and no leaf's scale is set by another.
 
-`microbatches=k` accumulates the k microbatches' gradients in float32 with a
-`lax.scan` and reduces once per call, where XLA reduces inside the loop, once
-per microbatch. `scatter=True` gives ZeRO's form: each gradient
-reduce-scattered over data (`scatter_specs` says along which dimension), for
-an optimizer state sharded over data; `gather_params` brings updated
-parameter shards back with a codec of its own.
+What changes with the per-rank view, and how the program stays the plain one:
+- The loss is normalised per rank. `mean_over` (required) says how the global
+  loss is made of the ranks': "examples" (a mean over the batch's examples,
+  `jnp.mean`), a function `count(batch)` (a sum over the batch divided by
+  `count(batch)`, e.g. the non-padding tokens: the global loss divides by the
+  global count), or "sum". Each rank's loss is scaled by its share before the
+  backward pass, so the gradient is the plain step's.
+- `aux` (required with `has_aux`) says per leaf how ranks combine: "sum"
+  (in the leaf's dtype: an int count stays an int), "mean", "weighted" (as the
+  loss), "max", "min".
+- Sharding constraints in the model that name the batch axes lose those names
+  inside the map (each rank holds its share); the rest of each constraint holds.
 
-JAX's `unreduced`/`reduced` partition specs (an unreduced gradient with one
-reduction left to the program) exist in this JAX only for Explicit mesh axes;
-programs on Auto meshes, as MaxText's, get the same through the partial-manual
-`shard_map` here.
+With `codec="none"` the reductions are lax's; the bytes per axis are the plain
+program's or fewer, and the values agree to rounding: XLA compiles the per-rank
+forward and backward on their own and orders float operations its own way.
 """
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import kernels, ops
+from jcomp.collectives import jitspecs, kernels, ops
+from jcomp.collectives.jitspecs import scatter_specs  # noqa: F401  (public)
 
 __all__ = ["value_and_grad", "scatter_specs", "gather_params"]
 
-
-def _axes_in(spec) -> set:
-    out = set()
-    for part in (spec or ()):
-        if part is None:
-            continue
-        out.update(part if isinstance(part, tuple) else (part,))
-    return out
+AUX_RULES = ("sum", "mean", "weighted", "max", "min")
 
 
 def _check_mesh(mesh, data_axes):
@@ -63,226 +65,378 @@ def _check_mesh(mesh, data_axes):
             raise ValueError(f"data_axes: {a!r} is not an axis of the mesh {mesh.axis_names}")
 
 
-def _check(mesh, data_axes, param_specs, params):
-    _check_mesh(mesh, data_axes)
-    named = jax.tree_util.tree_flatten_with_path(params)[0]
-    try:
-        specs = jax.tree.structure(params).flatten_up_to(param_specs)
-    except (TypeError, ValueError):
-        raise ValueError("param_specs must have the parameters' tree structure, one "
-                         "PartitionSpec per leaf") from None
-    for (path, leaf), spec in zip(named, specs):
-        if not isinstance(spec, P):
-            raise TypeError(f"param_specs{jax.tree_util.keystr(path)}: a PartitionSpec; got "
-                            f"{spec!r}")
-        used = _axes_in(spec)
-        if used & set(data_axes):
-            raise ValueError(
-                f"param_specs{jax.tree_util.keystr(path)}: {spec} splits the parameter over "
-                f"the data axes {sorted(used & set(data_axes))}; value_and_grad reduces over "
-                "them, so parameters must be replicated there (keep FSDP on its own axis)")
-        unknown = used - set(mesh.axis_names)
-        if unknown:
-            raise ValueError(f"param_specs{jax.tree_util.keystr(path)}: {spec} names axes "
-                             f"{sorted(unknown)} that the mesh {mesh.axis_names} lacks")
-        if len(spec) > jnp.ndim(leaf):
-            raise ValueError(f"param_specs{jax.tree_util.keystr(path)}: {spec} has more "
-                             f"entries than the parameter's {jnp.ndim(leaf)} dimensions")
-    return specs
+def _check_mean_over(mean_over):
+    if callable(mean_over) or mean_over in ("examples", "sum"):
+        return
+    raise ValueError(f"mean_over must be 'examples', 'sum' or a function count(batch) -> "
+                     f"the number of items the loss is a mean over; got {mean_over!r}")
 
 
-def scatter_specs(params, param_specs, mesh, data_axes=("data",)):
-    """The partition spec each gradient leaf has after `scatter=True`: its spec with
-    the data axes added on the first dimension that is not split yet and that the
-    data axes' size divides; a leaf with no such dimension stays whole,
-    all-reduced (its spec unchanged)."""
-    data_axes = kernels.axes_of(data_axes)
-    d = 1
-    for a in data_axes:
-        d *= mesh.shape[a]
-    specs = _check(mesh, data_axes, param_specs, params)
-    leaves, treedef = jax.tree.flatten(params)
-    out = []
-    for leaf, spec in zip(leaves, specs):
-        parts = list(spec) + [None] * (jnp.ndim(leaf) - len(spec))
-        for dim, part in enumerate(parts):
-            if part is None and jnp.shape(leaf)[dim] % d == 0:
-                parts[dim] = data_axes if len(data_axes) > 1 else data_axes[0]
-                break
-        out.append(P(*parts))
-    return jax.tree.unflatten(treedef, out)
+def _aux_rules(aux, has_aux):
+    if not has_aux:
+        if aux is not None:
+            raise ValueError("aux= says how the ranks' aux values combine; it needs has_aux=True")
+        return None
+    if aux is None:
+        raise ValueError("has_aux=True needs aux=: how each aux leaf combines over the data "
+                         f"ranks, one of {AUX_RULES} (a string for all, or a tree prefix of "
+                         "aux with one per subtree)")
+    for rule in jax.tree.leaves(aux):
+        if rule not in AUX_RULES:
+            raise ValueError(f"aux: {rule!r} is not one of {AUX_RULES}")
+    return aux
 
 
-def value_and_grad(loss_fn, *, mesh, param_specs, data_axes="data", codec="none",
-                   batch_spec=None, microbatches=1, scatter=False, has_aux=False,
-                   rows="flat", bucket_bytes=None):
-    """`jax.value_and_grad(loss_fn)` with the gradients' reduction over the data axes
-    sent with `codec`. -> fn(params, batch, key=None) -> (loss, grads), or
-    ((loss, aux), grads) with `has_aux`; call it inside `jax.jit`.
+def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
+                   data_axes="data", codec="none", param_codec="none", batch_spec=None,
+                   microbatches=1, scatter=False, has_aux=False, aux=None, rows="flat",
+                   bucket_bytes=None):
+    """`jax.value_and_grad(loss_fn)` with the reduction over the batch axes sent with
+    `codec`. -> fn(params, batch, key=None) -> (loss, grads), or ((loss, aux),
+    grads) with `has_aux`; call it inside `jax.jit`.
 
-    loss_fn(params, batch) -> scalar: the mean loss over the batch it is given
-    (with `has_aux`, (loss, aux)). `param_specs`: the parameters'
-    PartitionSpecs, as the program's shardings use them, over axes other than
-    `data_axes` (they stay automatic). `batch_spec`: how the batch leaves split
-    over the data axes (default: their first dimension). `codec`: "none" (lax's
-    all-reduce, the one XLA inserts), "int8", "int4:rot", ... `key`: for codecs
-    that draw (`:sr`, randk). The loss (and each aux leaf, as float32) is the
-    mean over the whole batch; the gradients have the parameters' dtypes.
-    `scatter=True`: the gradients come back reduce-scattered over the data
-    axes, as `scatter_specs` lays them out."""
+    loss_fn(params, batch) -> scalar (with `has_aux`, (scalar, aux)), written
+    for the whole batch as for `jax.value_and_grad`; the batch is an argument
+    (not closed over), its leaves split over `data_axes` along `batch_spec`
+    (default: their first dimension).
+    mean_over: "examples" | "sum" | count(batch) -> scalar; see the module doc.
+    param_specs: the parameters' mesh PartitionSpecs (a tree with the
+    parameters' structure, flax's boxes as leaves), logical ones with `rules`,
+    or None to read them from flax's boxed parameters. A spec may split a leaf
+    over `data_axes` (FSDP): it is gathered with `param_codec` and its gradient
+    comes back reduce-scattered, with the parameter's own spec.
+    data_axes: every mesh axis the batch is split over (MaxText: ("data", "fsdp")).
+    codec: the gradients' codec; "none" is lax's reduction. key: for codecs that
+    draw (`:sr`, randk). microbatches=k: k gradients accumulated in float32
+    (`lax.scan`), one reduction per call. scatter=True: every gradient comes back
+    reduce-scattered over the data axes it does not use (`scatter_specs`), for
+    an optimizer state sharded over them (`gather_params` brings parameters back).
+    The loss is float32; the gradients have the parameters' dtypes and boxes."""
     data_axes = kernels.axes_of(data_axes)
     _check_mesh(mesh, data_axes)
-    parsed = kernels.parse(codec)
-    if parsed.kind not in ("identity", "dense", "sparse"):
-        raise ValueError(f"codec {str(parsed)!r}: value_and_grad takes a byte codec "
-                         "(none, bf16, fp16, fp8, int8/int4/int2, topk, randk)")
+    _check_mean_over(mean_over)
+    aux_rules = _aux_rules(aux, has_aux)
+    for name, c in (("codec", codec), ("param_codec", param_codec)):
+        try:
+            kind = kernels.parse(c).kind
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        if kind not in ("identity", "dense", "sparse"):
+            raise ValueError(f"{name} {c!r}: value_and_grad takes a byte codec (none, bf16, "
+                             "fp16, fp8, int8/int4/int2, topk, randk)")
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int; got {microbatches!r}")
     kernels.check_rows(rows)
-    reduce_kw = dict(codec=codec, rows=rows,
-                     **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
-    rest = frozenset(a for a in mesh.axis_names if a not in data_axes)
+    bucket = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    rest = tuple(a for a in mesh.axis_names if a not in data_axes)
     data_spec = data_axes if len(data_axes) > 1 else data_axes[0]
     value_of = loss_fn if has_aux else lambda p, b: (loss_fn(p, b), ())
 
     def fn(params, batch, key=None):
-        specs = _check(mesh, data_axes, param_specs, params)
-        treedef = jax.tree.structure(params)
-        in_specs = jax.tree.unflatten(treedef, specs)
-        out_specs = scatter_specs(params, param_specs, mesh, data_axes) if scatter else in_specs
+        specs = jitspecs.check(mesh, data_axes, params, param_specs, rules)
+        leaves, treedef = jax.tree.flatten(params)
+        outs = [jitspecs.scatter_spec(s, jnp.shape(x), data_axes, mesh.shape) if scatter else s
+                for x, s in zip(leaves, specs)]
         b_spec = (jax.tree.map(lambda _: P(data_spec), batch) if batch_spec is None
                   else batch_spec)
 
-        def reduce(grads, k):  # manual over every axis: each device reduces its own shards
-            if scatter:
-                return _scatter(grads, specs, out_specs, data_axes, k, reduce_kw)
-            return ops.pmean(grads, data_axes, key=k, **reduce_kw)
-
-        def local(params, batch, k):
-            p_var = ops.vary(params, data_axes)  # this rank's gradients: no automatic psum
-            (loss, aux), grads = _accumulate(value_of, p_var, batch, microbatches, data_axes)
-            if rest:  # nested: the parameters' own axes manual too, so no leaf is gathered
-                grads = jax.shard_map(reduce, mesh=jax.sharding.get_abstract_mesh(),
-                                      in_specs=(in_specs, P()), out_specs=in_specs,
-                                      axis_names=rest)(grads, k)
-            else:
-                grads = reduce(grads, k)
-            loss, aux = jax.tree.map(lambda v: lax.pmean(v, data_axes), (loss, aux))
-            return ((loss, aux) if has_aux else loss), grads
+        def local(shards, batch, k):
+            k = None if key is None else k
+            gk, rk = (None, None) if k is None else jax.random.split(k)
+            full = _nested(rest, specs, specs, lambda ls: _gather(
+                ls, specs, data_axes, param_codec, gk, rows, bucket), shards, to_full=True)
+            p_var = treedef.unflatten(ops.vary(full, data_axes))  # no automatic psum
+            (loss, aux_v), grads = _accumulate(value_of, p_var, batch, microbatches,
+                                               data_axes, mean_over, aux_rules)
+            grads = _nested(rest, specs, outs, lambda gs: _reduce(
+                gs, outs, data_axes, codec, rk, rows, bucket), jax.tree.leaves(grads))
+            return ((loss, aux_v) if has_aux else loss), grads
 
         k = jnp.zeros((), jnp.uint32) if key is None else key
         outer = jax.shard_map(
-            lambda p, b, kk: local(p, b, None if key is None else kk),
-            mesh=mesh, in_specs=(P(), b_spec, P()),
-            out_specs=(P(), jax.tree.map(lambda s: _only(s, data_axes), out_specs)),
+            local, mesh=mesh,
+            in_specs=([jitspecs.only(s, data_axes) for s in specs], b_spec, P()),
+            out_specs=(P(), [jitspecs.only(o, data_axes) for o in outs]),
             axis_names=frozenset(data_axes))
-        return outer(params, batch, k)
+        with _batch_constraints(data_axes, specs):
+            value, grads = outer(leaves, batch, k)
+        return value, treedef.unflatten(grads)
 
     return fn
 
 
-def _only(spec, axes):
-    """The spec as the outer (data-manual) map sees it: only the data axes."""
+def _nested(rest, in_specs, out_specs, body, leaves, to_full=False):
+    """body(leaves) in a map manual over the other axes too, so that each device
+    works on its own shards and nothing is gathered over an automatic axis."""
+    if not rest:
+        return body(leaves)
+    return jax.shard_map(
+        body, mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=([jitspecs.only(s, rest) for s in in_specs],),
+        out_specs=[jitspecs.only(s, rest) for s in out_specs],
+        axis_names=frozenset(rest))(leaves)
+
+
+def _groups(plans):
+    """Leaf indices grouped by plan, in a fixed order (so leaves of one plan share
+    buckets, one collective per dtype and bucket)."""
+    out = {}
+    for i, plan in enumerate(plans):
+        out.setdefault(plan, []).append(i)
+    return sorted(out.items(), key=lambda kv: repr(kv[0]))
+
+
+def _along(leaves, dims, send):
+    """send(leaves with `dims` moved first) -> results moved back: leaves split on
+    different dimensions share one call (and its buckets)."""
+    moved = [jnp.moveaxis(x, d, 0) for x, d in zip(leaves, dims)]
+    return [jnp.moveaxis(x, 0, d) for x, d in zip(send(moved), dims)]
+
+
+def _gather(shards, specs, data_axes, codec, key, rows, bucket):
+    """Each leaf whole over the batch axes: gathered along the dimensions its spec
+    splits over them (FSDP), with `codec`; leaves gathered over the same axes
+    share buckets."""
+    out = list(shards)
+    splits = [jitspecs.split_dims(s, data_axes) for s in specs]
+    for g, (plan, idx) in enumerate(_groups([tuple(a for _, a in sp) for sp in splits])):
+        part = [shards[i] for i in idx]
+        for step in reversed(range(len(plan))):
+            k = None if key is None else jax.random.fold_in(key, 4 * g + step)
+            part = _along(part, [splits[i][step][0] for i in idx], lambda ls: ops.all_gather(
+                ls, plan[step], axis=0, tiled=True, to="invarying", codec=codec, key=k,
+                rows=rows, **bucket))
+        for i, x in zip(idx, part):
+            out[i] = x
+    return out
+
+
+def _reduce(grads, outs, data_axes, codec, key, rows, bucket):
+    """Each gradient summed over the batch axes and laid out as its `outs` spec:
+    reduce-scattered along the dimensions the spec splits over batch axes, then
+    all-reduced over the batch axes it does not use (on the scattered piece).
+    Leaves reduced over the same axes share buckets."""
+    out = list(grads)
+    splits = [jitspecs.split_dims(o, data_axes) for o in outs]
+    plans = []
+    for sp in splits:
+        used = {a for _, axes in sp for a in axes}
+        plans.append((tuple(a for _, a in sp), tuple(a for a in data_axes if a not in used)))
+    for g, ((scattered, left), idx) in enumerate(_groups(plans)):
+        part = [grads[i] for i in idx]
+        for step, axes in enumerate(scattered):
+            k = None if key is None else jax.random.fold_in(key, 4 * g + step)
+            part = _along(part, [splits[i][step][0] for i in idx], lambda ls: ops.psum_scatter(
+                ls, axes, scatter_dimension=0, tiled=True, codec=codec, key=k, rows=rows,
+                **bucket))
+        if left:
+            k = None if key is None else jax.random.fold_in(key, 4 * g + 3)
+            part = ops.psum(part, left, codec=codec, key=k, rows=rows, **bucket)
+        for i, x in zip(idx, part):
+            out[i] = x
+    return out
+
+
+def _scales(batch, k, axes, mean_over):
+    """Each microbatch's share of the global loss: [k] float32, invariant of params."""
+    if mean_over == "sum":
+        return jnp.ones((k,), jnp.float32)
+    if mean_over == "examples":
+        return jnp.full((k,), 1.0 / (k * lax.axis_size(axes)), jnp.float32)
+    counts = jnp.stack([jnp.asarray(mean_over(mb), jnp.float32) for mb in batch])
+    return counts / lax.psum(jnp.sum(counts), axes)
+
+
+def _accumulate(value_of, params, batch, k, axes, mean_over, aux_rules):
+    """((loss, aux), this rank's gradients) of its share of the global loss: each
+    microbatch's loss scaled by its share before the backward pass, gradients
+    summed in float32 over k > 1 microbatches (lax.scan) and cast back."""
+    if k > 1:
+        for x in jax.tree.leaves(batch):
+            if x.shape[0] % k:
+                raise ValueError(f"microbatches={k} must divide each data rank's batch; a "
+                                 f"batch leaf has {x.shape[0]} rows per rank")
+    micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+    scale_K = _scales([jax.tree.map(lambda x: x[i], micro) for i in range(k)], k, axes,
+                      mean_over)
+
+    def scaled(p, mb, s):
+        loss, aux = value_of(p, mb)
+        return s * jnp.asarray(loss, jnp.float32), aux
+
+    grad_of = jax.value_and_grad(scaled, has_aux=True)
+    if k == 1:
+        (loss, aux), grads = grad_of(params, batch, scale_K[0])
+        aux = _aux_local(aux_rules, [aux], scale_K)
+    else:
+        f32 = lambda tree: jax.tree.map(lambda v: v.astype(jnp.float32), tree)
+        first = jax.tree.map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(lambda: f32(grad_of(params, first, scale_K[0])[1]))
+        zeros = jax.tree.map(lambda s: kernels.vary(jnp.zeros(s.shape, s.dtype), axes), shapes)
+
+        def body(acc, xs):
+            mb, s = xs
+            (loss, aux), g = grad_of(params, mb, s)
+            return jax.tree.map(jnp.add, acc, f32(g)), (loss, aux)
+
+        total, (loss_K, aux_K) = lax.scan(body, zeros, (micro, scale_K))
+        loss = jnp.sum(loss_K)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), total, params)
+        aux = _aux_local(aux_rules, [jax.tree.map(lambda a: a[i], aux_K) for i in range(k)],
+                         scale_K)
+    return _combine(loss, aux, aux_rules, axes, k), grads
+
+
+def _aux_local(rules, aux_K, scale_K):
+    """Each aux leaf combined over this rank's microbatches, by its rule."""
+    if rules is None:
+        return ()
+    k = len(aux_K)
+
+    def one(rule, *vals):
+        if rule == "weighted":
+            if not jnp.issubdtype(vals[0].dtype, jnp.floating):
+                raise TypeError(f"aux rule 'weighted' takes floating-point leaves; got "
+                                f"{vals[0].dtype}")
+            return sum(scale_K[i] * v.astype(jnp.float32) for i, v in enumerate(vals))
+        if rule in ("max", "min"):
+            pick = jnp.maximum if rule == "max" else jnp.minimum
+            out = vals[0]
+            for v in vals[1:]:
+                out = pick(out, v)
+            return out
+        if rule == "mean" and not jnp.issubdtype(vals[0].dtype, jnp.floating):
+            raise TypeError(f"aux rule 'mean' takes floating-point leaves; got {vals[0].dtype} "
+                            "(a count is a 'sum')")
+        return sum(vals[1:], vals[0]) if k > 1 else vals[0]
+
+    return jax.tree.map(lambda rule, *subs: jax.tree.map(lambda *v: one(rule, *v), *subs),
+                        rules, *aux_K)
+
+
+def _combine(loss, aux, rules, axes, k):
+    """The global loss and aux: one all-reduce for the sums, one each for max/min."""
+    if rules is None:
+        return lax.psum(loss, axes), ()
+    n = lax.axis_size(axes) * k
+    flat_rules, flat_aux = [], []
+    for rule, sub in zip(jax.tree.leaves(rules), jax.tree.structure(rules).flatten_up_to(aux)):
+        for leaf in jax.tree.leaves(sub):
+            flat_rules.append(rule)
+            flat_aux.append(leaf)
+    sums = [i for i, r in enumerate(flat_rules) if r in ("sum", "mean", "weighted")]
+    summed = lax.psum([loss] + [flat_aux[i] for i in sums], axes)
+    out = list(flat_aux)
+    for i, v in zip(sums, summed[1:]):
+        out[i] = v / n if flat_rules[i] == "mean" else v
+    for rule, red in (("max", lax.pmax), ("min", lax.pmin)):
+        idx = [i for i, r in enumerate(flat_rules) if r == rule]
+        if idx:
+            for i, v in zip(idx, red([flat_aux[i] for i in idx], axes)):
+                out[i] = v
+    # Back into aux's own structure and dtypes ("weighted" summed in float32).
+    orig = jax.tree.leaves(aux)
+    out = [v.astype(o.dtype) for v, o in zip(out, orig)]
+    return summed[0], jax.tree.unflatten(jax.tree.structure(aux), out)
+
+
+# ------------------------------------------------------- sharding constraints
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def _batch_constraints(data_axes, specs):
+    """While the per-rank program is traced, `jax.lax.with_sharding_constraint`
+    drops the batch axes (manual there) from each constraint, so a model's own
+    constraints (MaxText's activation rules, flax's boxes) hold as written for
+    the other axes. Raises where a constraint splits the batch dimension over an
+    automatic axis that also splits parameters: FSDP left to XLA inside the map,
+    a layout XLA's partitioner aborts on (an embedding gather), so it is named
+    before compiling."""
+    param_axes = set().union(*map(jitspecs.axes_in, specs)) if specs else set()
+    prev = getattr(_state, "axes", None)
+    _state.axes = (frozenset(data_axes), param_axes)
+    # Installed for the trace only. Other threads see a pass-through (the state
+    # is per thread); code that bound the function under another name before
+    # this call keeps lax's and raises JAX's own error on a batch axis.
+    installed = jax.lax.with_sharding_constraint
+    jax.lax.with_sharding_constraint = _constrain
+    try:
+        yield
+    finally:
+        jax.lax.with_sharding_constraint = installed
+        _state.axes = prev
+
+
+def _strip(spec, axes):
     parts = []
     for part in spec:
+        if part is None or part is P.UNCONSTRAINED:
+            parts.append(part)
+            continue
         names = part if isinstance(part, tuple) else (part,)
-        kept = tuple(a for a in names if a in axes)
+        kept = tuple(a for a in names if a not in axes)
         parts.append(None if not kept else kept if len(kept) > 1 else kept[0])
     return P(*parts)
 
 
-def _accumulate(value_of, params, batch, k, axes):
-    """((loss, aux), grads) of the batch: one value_and_grad, or with k > 1 the mean
-    over k microbatches (lax.scan; loss, aux and gradients summed in float32,
-    the gradients cast back to the parameters' dtypes)."""
-    grad_of = jax.value_and_grad(value_of, has_aux=True)
-    if k == 1:
-        return grad_of(params, batch)
-    for x in jax.tree.leaves(batch):
-        if x.shape[0] % k:
-            raise ValueError(f"microbatches={k} must divide each data rank's batch; a batch "
-                             f"leaf has {x.shape[0]} rows per rank")
-    micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
-    f32 = lambda tree: jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), tree)
-    first = jax.tree.map(lambda x: x[0], micro)
-    shapes = jax.eval_shape(lambda: f32(grad_of(params, first)))
-    zeros = jax.tree.map(lambda s: kernels.vary(jnp.zeros(s.shape, s.dtype), axes), shapes)
+def _constrain(x, shardings):
+    state = getattr(_state, "axes", None)
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if state is None or not manual & state[0]:
+        return _lax_constraint(x, shardings)
+    data_axes, param_axes = state
 
-    def body(acc, mb):
-        return jax.tree.map(jnp.add, acc, f32(grad_of(params, mb))), None
+    def fix(s):
+        spec = s.spec if isinstance(s, NamedSharding) else s
+        if not isinstance(spec, P):
+            return s
+        first = spec[0] if len(spec) else None
+        first = () if first is None or first is P.UNCONSTRAINED else (
+            first if isinstance(first, tuple) else (first,))
+        auto_fsdp = [a for a in first if a not in data_axes and a in param_axes]
+        if auto_fsdp:
+            raise ValueError(
+                f"a sharding constraint {spec} splits the batch over {auto_fsdp}, which "
+                f"param_specs also split parameters over (FSDP over a batch axis): pass "
+                f"data_axes={tuple(data_axes) + tuple(auto_fsdp)!r} to cc.value_and_grad, so "
+                "those parameters are gathered and their gradients reduce-scattered by jcomp "
+                "(XLA's partitioner aborts on an embedding gather left to it in this layout)")
+        return _strip(spec, manual)
 
-    total, _ = lax.scan(body, zeros, micro)
-    (loss, aux), grads = jax.tree.map(lambda v: v / k, total)
-    return (loss, aux), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-
-
-def _scatter_dim(spec, scattered) -> int | None:
-    """The dimension `scatter_specs` put the data axes on (`scattered` is its spec
-    for the leaf of `spec`), or None where the leaf stays whole."""
-    parts = tuple(spec) + (None,) * (len(scattered) - len(spec))
-    return next((dim for dim, (a, b) in enumerate(zip(parts, scattered)) if a != b), None)
+    return _lax_constraint(x, jax.tree.map(fix, shardings,
+                                           is_leaf=lambda s: isinstance(s, (NamedSharding, P))))
 
 
-def _per_dim(leaves, dims, key, send):
-    """The leaves sent one call per distinct dimension in `dims` (so leaves of one
-    dimension still share buckets): send(part, dim, key) -> results of `part`;
-    each call's key folded with its index. -> every leaf's result."""
-    out = list(leaves)
-    for i, dim in enumerate(sorted(set(dims), key=lambda x: -1 if x is None else x)):
-        idx = [j for j, x in enumerate(dims) if x == dim]
-        k = None if key is None else jax.random.fold_in(key, i)
-        for j, g in zip(idx, send([leaves[j] for j in idx], dim, k)):
-            out[j] = g
-    return out
+_lax_constraint = lax.with_sharding_constraint
 
 
-def _scatter(grads, specs, out_specs, data_axes, key, reduce_kw):
-    """Each leaf's mean over the data axes, reduce-scattered along its scatter
-    dimension (one call per dimension, so leaves still share buckets), or
-    all-reduced where it has none."""
-    leaves, treedef = jax.tree.flatten(grads)
-    dims = [_scatter_dim(s, o) for s, o in zip(specs, treedef.flatten_up_to(out_specs))]
-    d = lax.axis_size(data_axes)
-
-    def send(part, dim, k):
-        if dim is None:
-            return ops.pmean(part, data_axes, key=k, **reduce_kw)
-        got = ops.psum_scatter(part, data_axes, scatter_dimension=dim, tiled=True, key=k,
-                               **reduce_kw)
-        return [g / d for g in got]
-
-    return jax.tree.unflatten(treedef, _per_dim(leaves, dims, key, send))
-
-
-def gather_params(shards, *, mesh, param_specs, data_axes="data", codec="none",
-                  rows="flat", bucket_bytes=None, key=None):
+def gather_params(shards, *, mesh, param_specs=None, rules=None, data_axes="data",
+                  codec="none", rows="flat", bucket_bytes=None, key=None):
     """ZeRO's parameter all-gather for a jit program: parameter shards laid out as
     `scatter_specs(params, param_specs, mesh)` (the optimizer's update of the
-    shards `value_and_grad(..., scatter=True)` returns) -> whole parameters with
-    `param_specs`, gathered over the data axes with `codec`. Keep the shards as
-    the master copy: a lossy codec's gathered parameters are the decoded ones."""
+    shards `value_and_grad(..., scatter=True)` returns) -> parameters with
+    `param_specs`, gathered over the data axes they do not use, with `codec`.
+    Keep the shards as the master copy: a lossy codec's gathered parameters are
+    the decoded ones."""
     data_axes = kernels.axes_of(data_axes)
+    _check_mesh(mesh, data_axes)
     kernels.parse(codec)
     bucket = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    specs = _check(mesh, data_axes, param_specs, shards)
-    treedef = jax.tree.structure(shards)
-    in_specs = scatter_specs(shards, param_specs, mesh, data_axes)
-    dims = [_scatter_dim(s, o) for s, o in zip(specs, treedef.flatten_up_to(in_specs))]
+    specs = jitspecs.check(mesh, data_axes, shards, param_specs, rules)
+    leaves, treedef = jax.tree.flatten(shards)
+    ins = [jitspecs.scatter_spec(s, jnp.shape(x), data_axes, mesh.shape)
+           for x, s in zip(leaves, specs)]
+    # Gather only what scatter added: the spec's own data-axis splits stay.
+    added = [jitspecs.only(i, set(jitspecs.axes_in(i)) - set(jitspecs.axes_in(s)))
+             for i, s in zip(ins, specs)]
+    moved_axes = tuple(data_axes)
 
-    def gather(leaves, k):  # leaves that stayed whole are whole already
-        moved = [j for j, dim in enumerate(dims) if dim is not None]
-        got = _per_dim([leaves[j] for j in moved], [dims[j] for j in moved], k,
-                       lambda part, dim, kk: ops.all_gather(
-                           part, data_axes, axis=dim, tiled=True, to="invarying", codec=codec,
-                           key=kk, rows=rows, **bucket))
-        out = list(leaves)
-        for j, g in zip(moved, got):
-            out[j] = g
-        return out
+    def body(ls, kk):
+        k = None if key is None else kk
+        return _gather(ls, added, moved_axes, codec, k, rows, bucket)
 
-    leaves = jax.tree.leaves(shards)
-    in_leaves = treedef.flatten_up_to(in_specs)
     k = jnp.zeros((), jnp.uint32) if key is None else key
-    run = jax.shard_map(lambda ls, kk: gather(ls, None if key is None else kk), mesh=mesh,
-                        in_specs=(in_leaves, P()), out_specs=list(specs))
-    return jax.tree.unflatten(treedef, run(leaves, k))
+    run = jax.shard_map(body, mesh=mesh, in_specs=(ins, P()), out_specs=list(specs))
+    return treedef.unflatten(run(leaves, k))

@@ -55,7 +55,8 @@ def test_none_is_the_plain_step(mesh, monkeypatch, dtype):
         params, specs, _, _ = js.init(mesh)
         batch = next(js.batches(mesh, 1))
         plain = jax.jit(jax.value_and_grad(js.loss_fn))(params, batch)
-        ours = jax.jit(cc.value_and_grad(js.loss_fn, mesh=mesh, param_specs=specs))(params, batch)
+        ours = jax.jit(cc.value_and_grad(js.loss_fn, mesh=mesh, param_specs=specs,
+                                                mean_over="examples"))(params, batch)
     assert jnp.dtype(dtype) in {x.dtype for x in jax.tree.leaves(ours[1])}
     np.testing.assert_allclose(float(ours[0]), float(plain[0]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(ours[1])):
@@ -115,7 +116,7 @@ def test_scatter_and_gather_params(mesh):
         reports = {}
         for codec in ("none", "int8"):
             fn = jax.jit(cc.value_and_grad(js.loss_fn, mesh=mesh, param_specs=specs, codec=codec,
-                                           scatter=True))
+                                           mean_over="examples", scatter=True))
             loss, grads = fn(params, batch)
             reports[codec] = wire.measure(fn, params, batch, mesh=mesh).by_axis()
             for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(
@@ -138,41 +139,61 @@ def test_scatter_and_gather_params(mesh):
 
 
 def test_bad_arguments_are_named(mesh):
+    vg = lambda **kw: cc.value_and_grad(js.loss_fn, mesh=mesh, **{"mean_over": "examples", **kw})
     with jax.set_mesh(mesh):
         params, specs, _, _ = js.init(mesh)
         batch = next(js.batches(mesh, 1))
-        bad = jax.tree.map(lambda s: P("data"), specs, is_leaf=lambda x: isinstance(x, P))
-        with pytest.raises(ValueError, match=r"param_specs\['Dense_0'\]\['bias'\].*data axes"):
-            jax.jit(cc.value_and_grad(js.loss_fn, mesh=mesh, param_specs=bad))(params, batch)
+        bad = jax.tree.map(lambda s: P(("data", "model")), specs,
+                           is_leaf=lambda x: isinstance(x, P))
+        with pytest.raises(ValueError, match=r"param_specs\['Dense_0'\]\['bias'\].*batch axes "
+                                             r"\['data'\] and other axes together"):
+            jax.jit(vg(param_specs=bad))(params, batch)
         with pytest.raises(ValueError, match="param_specs must have the parameters' tree"):
-            jax.jit(cc.value_and_grad(js.loss_fn, mesh=mesh, param_specs={"x": P()}))(params,
-                                                                                       batch)
+            jax.jit(vg(param_specs={"x": P()}))(params, batch)
+        with pytest.raises(ValueError, match="param_specs=None reads|not boxed|names axes"):
+            jax.jit(vg(param_specs=jax.tree.map(lambda s: P("tensor"), specs,
+                                                is_leaf=lambda x: isinstance(x, P))))(params, batch)
+    with pytest.raises(TypeError, match="mean_over"):
+        cc.value_and_grad(js.loss_fn, mesh=mesh, param_specs=specs)
+    with pytest.raises(ValueError, match="mean_over must be 'examples', 'sum' or a function"):
+        vg(param_specs=specs, mean_over="tokens")
+    with pytest.raises(ValueError, match="has_aux=True needs aux="):
+        vg(param_specs=specs, has_aux=True)
+    with pytest.raises(ValueError, match="aux: 'avg' is not one of"):
+        vg(param_specs=specs, has_aux=True, aux={"a": "avg"})
     with pytest.raises(ValueError, match="microbatches must be a positive int; got 0"):
-        cc.value_and_grad(js.loss_fn, mesh=mesh, param_specs=specs, microbatches=0)
+        vg(param_specs=specs, microbatches=0)
     with pytest.raises(ValueError, match="invalid codec spec 'int9'"):
-        cc.value_and_grad(js.loss_fn, mesh=mesh, param_specs=specs, codec="int9")
+        vg(param_specs=specs, codec="int9")
+    with pytest.raises(ValueError, match="param_codec: codec powersgd"):
+        vg(param_specs=specs, param_codec="powersgd:rank=2")
     with pytest.raises(ValueError, match="data_axes: 'batch' is not an axis"):
-        cc.value_and_grad(js.loss_fn, mesh=mesh, param_specs=specs, data_axes="batch")
+        vg(param_specs=specs, data_axes="batch")
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
-def test_has_aux_is_averaged_as_the_loss(mesh, microbatches):
-    """has_aux: each aux leaf comes back as the mean over the whole batch, as the loss."""
+def test_has_aux_combines_each_leaf_by_its_rule(mesh, microbatches):
+    """has_aux: each aux leaf comes back as the plain step computes it over the
+    whole batch: "weighted" as the loss (a mean), "sum" a sum in its own dtype
+    (an int32 count stays int32 and whole), "max" the largest."""
     def loss_and_aux(params, batch):
         loss = js.loss_fn(params, batch)
-        return loss, {"twice": 2 * loss, "tokens": jnp.float32(batch["x"].size)}
+        return loss, {"twice": 2 * loss, "tokens": jnp.sum(batch["x"] >= 0),
+                      "largest": jnp.max(batch["x"])}
 
+    rules = {"twice": "weighted", "tokens": "sum", "largest": "max"}
     with jax.set_mesh(mesh):
         params, specs, _, _ = js.init(mesh)
         batch = next(js.batches(mesh, 1))
         (loss, aux), _ = jax.jit(cc.value_and_grad(
-            loss_and_aux, mesh=mesh, param_specs=specs, has_aux=True,
-            microbatches=microbatches))(params, batch)
-        plain = jax.jit(js.loss_fn)(params, batch)
-    np.testing.assert_allclose(float(loss), float(plain), rtol=1e-6)
-    np.testing.assert_allclose(float(aux["twice"]), 2 * float(plain), rtol=1e-6)
-    # each rank's microbatch holds 64 / 4 / microbatches rows of 8 tokens
-    assert float(aux["tokens"]) == 64 // 4 // microbatches * js.SEQ
+            loss_and_aux, mesh=mesh, param_specs=specs, mean_over="examples", has_aux=True,
+            aux=rules, microbatches=microbatches))(params, batch)
+        plain_loss, plain_aux = jax.jit(loss_and_aux)(params, batch)
+    np.testing.assert_allclose(float(loss), float(plain_loss), rtol=1e-6)
+    np.testing.assert_allclose(float(aux["twice"]), float(plain_aux["twice"]), rtol=1e-6)
+    assert aux["tokens"].dtype == plain_aux["tokens"].dtype == jnp.int32
+    assert int(aux["tokens"]) == int(plain_aux["tokens"]) == 64 * js.SEQ
+    assert int(aux["largest"]) == int(plain_aux["largest"])
 
 
 @pytest.mark.slow
@@ -208,9 +229,10 @@ def test_explicit_mesh_axes_work_as_auto_ones():
         loss = lambda p, b: jnp.mean((b @ p["w"]) ** 2)
         plain = jax.jit(jax.value_and_grad(loss))(params, x)
         specs = {"w": P(None, "model")}
-        none = jax.jit(cc.value_and_grad(loss, mesh=mesh, param_specs=specs))(params, x)
-        int8 = jax.jit(cc.value_and_grad(loss, mesh=mesh, param_specs=specs, codec="int8"))(
-            params, x)
+        none = jax.jit(cc.value_and_grad(loss, mesh=mesh, param_specs=specs,
+                                         mean_over="examples"))(params, x)
+        int8 = jax.jit(cc.value_and_grad(loss, mesh=mesh, param_specs=specs, codec="int8",
+                                         mean_over="examples"))(params, x)
     assert _same(plain, none)
     assert int8[1]["w"].sharding.spec == P(None, "model")
     err = np.abs(np.asarray(int8[1]["w"]) - np.asarray(plain[1]["w"])).max()
@@ -242,7 +264,8 @@ def test_fsdp_on_its_own_axis_stays_where_it_is():
         r_plain = bytes_of(plain_fn)
         got = {}
         for codec in ("none", "int8"):
-            fn = jax.jit(cc.value_and_grad(loss, mesh=mesh, param_specs=specs, codec=codec))
+            fn = jax.jit(cc.value_and_grad(loss, mesh=mesh, param_specs=specs, codec=codec,
+                                           mean_over="examples"))
             got[codec] = (fn(params, x), bytes_of(fn))
     (loss_none, g_none), r_none = got["none"]
     np.testing.assert_allclose(float(loss_none), float(plain[0]), rtol=1e-6)

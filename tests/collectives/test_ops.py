@@ -1,5 +1,6 @@
 """jcomp.collectives against jax.lax on an emulated (2, 2, 2) mesh."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -498,3 +499,30 @@ def test_bad_arguments_raise(mesh):
         call(lambda a: cc.psum_scatter(a[:5], "data", tiled=True, codec="int8"))
     with pytest.raises(TypeError):
         call(lambda a: cc.ppermute(a.astype(jnp.int32), "data", PERM, codec="int8"))
+
+
+@pytest.mark.parametrize("codec", ["int8", "bf16", "topk:0.25"])
+@pytest.mark.parametrize("n", [8, 4096])
+def test_a_lossy_codec_refuses_integer_leaves_at_every_size(mesh, codec, n):
+    """An int32 or bool leaf with a lossy codec is a TypeError whether or not the
+    codec would have run (8 elements are sent raw, 4096 coded), over any axis
+    size, in every op; with codec "none" the same leaf is lax's."""
+    x = jnp.ones((8, n), jnp.int32)
+
+    def call(fn, leaf):
+        return jax.jit(jax.shard_map(lambda a: fn(a[0])[None], mesh=mesh, in_specs=EVERY,
+                                     out_specs=EVERY, check_vma=False))(leaf)
+
+    ops = [lambda a, c: cc.psum(a, "data", codec=c),
+           lambda a, c: cc.pmean(a, "data", codec=c),
+           lambda a, c: cc.psum_scatter(a, "data", tiled=True, codec=c),
+           lambda a, c: cc.all_gather(a, "pipeline", tiled=True, codec=c),
+           lambda a, c: cc.ppermute(a, "data", PERM, codec=c),
+           lambda a, c: cc.all_to_all(a, "data", 0, 0, tiled=True, codec=c)]
+    for op in ops:
+        for leaf in (x, x > 0):
+            with pytest.raises(TypeError, match=rf"codec '{re.escape(codec)}' codes "
+                                                r"floating-point arrays; got a leaf of dtype"):
+                call(lambda a: op(a, codec), _put(mesh, leaf))
+    np.testing.assert_array_equal(call(lambda a: cc.psum(a, "data"), _put(mesh, x)),
+                                  call(lambda a: lax.psum(a, "data"), _put(mesh, x)))
