@@ -243,9 +243,12 @@ def main(argv, full_argv=None, hooks=None):
             raise
         _peer_lost(e, workdir)
     if jax.process_index() == 0 and last:
+        from jcomp.train import traffic
+        sent = traffic.closing(last["wire_bytes_total"], last.get("uncompressed_bytes_total"),
+                               last.get("uncompressed_measured", False))
         print(f"step {last['step']}: loss {last['loss']:.4f}"
               + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
-              + f"; metrics in {os.path.join(workdir, 'metrics.jsonl')}")
+              + f"; {sent}; metrics in {os.path.join(workdir, 'metrics.jsonl')}")
     if FLAGS.coordinator_address or FLAGS.distributed:
         jax.distributed.shutdown()
 

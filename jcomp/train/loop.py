@@ -7,8 +7,10 @@ the workdir checked and locked; the data loaded; the state restored from the
 newest usable checkpoint or initialised (`jcomp.train.resume`); then per step a
 batch, the step compiled for its compression phase and kept
 (`jcomp.train.stepcache`), its metrics record (`jcomp.train.record`), and a
-checkpoint every checkpoint.every steps. The caller's hooks (`jcomp.train.hooks`)
-run before each batch, after each step and during each save.
+checkpoint every checkpoint.every steps. Once the first step is compiled, a
+table of what it sends goes above the progress bar (`jcomp.train.traffic`).
+The caller's hooks (`jcomp.train.hooks`) run before each batch, after each step
+and during each save.
 
 Bad configuration and bad input raise `UsageError` (a ValueError) before any
 file in the workdir is touched; `train.py` turns it into one line on stderr
@@ -32,6 +34,7 @@ from jcomp.train import checkpoint, cluster, data, faults, resume, record as ste
 from jcomp.train import hooks as hooks_lib
 from jcomp.gpt import mesh as mesh_lib
 from jcomp.train import metrics as metrics_lib
+from jcomp.train import traffic
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.train.runspec import RunSpec, validate
 from jcomp.train.stepcache import StepCache, global_batch
@@ -71,7 +74,8 @@ def load_data(run: RunSpec):
 def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None,
                        hooks: hooks_lib.Hooks | None = None) -> dict:
     """Trains per `cfg`, resuming from `workdir` when it holds checkpoints.
-    Returns the last logged metrics ({} when stopped before the first step).
+    Returns the last step's metrics record ({} when stopped before the first
+    step) with what its compiled step sends added (`_with_traffic`).
     `stop`: signal handling installed by the caller (otherwise installed here).
     `hooks`: a `jcomp.train.hooks.Hooks` the loop calls at its defined points."""
     own_stop = stop is None
@@ -131,7 +135,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     tokens_per_step = t.batch_size * run.data.seq_len
     lr_at = run.optim.schedule(start.schedule_steps)
     logged_phase = None  # the phase whose static metrics were last logged
-    last = {}
+    last, sent = {}, 0.0  # sent: bytes per device per step of the step running now
     with metrics_lib.Progress(t.steps, start.step) as bar, _finishing(ckpt, writer), profiler:
         for i in range(start.step, t.steps):
             done = i + 1
@@ -166,6 +170,9 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             if logged_phase != phase:
                 record.update(steprecord.phase_record(phase, run.plan(phase), logged_phase, report,
                                                        state))
+                sent = record["wire_bytes_total"]
+                if logged_phase is None:
+                    bar.write(_start_table(run, phase, report))
                 if "compression_changes" in record:
                     _log.info("step %d: compression schedule: %s", done,
                               record["compression_changes"])
@@ -181,7 +188,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                     raise faults.write_failed(f"writing {metrics_path} at step {done}",
                                               ckpt.latest_step(), e.strerror,
                                               e.errno == errno.ENOSPC) from None
-            bar.update(done, loss=loss, tokens_per_s=record["tokens_per_s"])
+            bar.update(done, loss=loss, tokens_per_s=record["tokens_per_s"], bytes_per_step=sent)
             last = record
             hooks.after_step(done, record)
             stopping = stop.agreed(done)
@@ -191,7 +198,40 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             if stopping:
                 _log.warning("stop requested: saved step %d", done)
                 break
-    return last
+    return _with_traffic(last, run, steps) if last else last
+
+
+def _start_table(run, phase, report) -> str:
+    return traffic.start_text(report, run.plan(phase), n_layers=run.model.n_layers,
+                              mesh_shape=_mesh_sizes(run), row=run.model.d_model,
+                              act_dtype=run.model.dtype)
+
+
+def _mesh_sizes(run) -> dict:
+    return dict(zip(mesh_lib.AXES, run.mesh_shape))
+
+
+def _with_traffic(last: dict, run, steps: StepCache) -> dict:
+    """`last` with what the last step's compiled program sends (wire_bytes_total,
+    as logged on its phase's first step) and, for a compressed step, the
+    uncompressed step's bytes (uncompressed_bytes_total): measured where this run
+    compiled an uncompressed phase (uncompressed_measured True), else estimated
+    from the message plan; absent where neither is known."""
+    phase = schedule_lib.phase_at(run.phases, last["step"] - 1)
+    report, plan = steps.train_report(phase), run.plan(phase)
+    out = {**last, "wire_bytes_total": float(report.total())}
+    if not traffic.compresses(plan):
+        return out
+    measured = [r for p, r in steps.train_reports().items()
+                if not traffic.compresses(run.plan(p))]
+    if measured:
+        return {**out, "uncompressed_bytes_total": float(measured[0].total()),
+                "uncompressed_measured": True}
+    exact = traffic.preset_plan("baseline", run.model.n_layers, _mesh_sizes(run))
+    guess = traffic.estimate(report, plan, exact, run.model.d_model, run.model.dtype)
+    if guess is None:
+        return out
+    return {**out, "uncompressed_bytes_total": guess.total(), "uncompressed_measured": False}
 
 
 def _nonfinite(t, done: int, loss: float, streak: int, ckpt):

@@ -47,6 +47,14 @@ class StepCache:
             self._train[phase] = (exe, wire.measure_compiled(exe, self.mesh))
         return self._train[phase]
 
+    def train_report(self, phase) -> wire.WireReport:
+        """The wire report of `phase`'s compiled train step (compiled already)."""
+        return self._train[phase][1]
+
+    def train_reports(self) -> dict:
+        """phase -> wire report, for the phases whose train step is compiled."""
+        return {phase: report for phase, (_, report) in self._train.items()}
+
     def val_loss(self, phase, params, val_batches) -> float:
         """Mean loss over the local validation batches, each made global, through the
         forward messages of `phase`; phase None: the exact forward, every message

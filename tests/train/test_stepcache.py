@@ -93,11 +93,13 @@ def test_train_compiles_each_phase_once_when_it_first_comes_up(run, mesh, monkey
     monkeypatch.setattr(stepcache.wire, "measure_compiled", lambda exe, m: ("report", exe.plan))
     steps = stepcache.StepCache(run, mesh, "tx", "shapes")
     first, last = (p for _, p in run.phases)
-    assert built == []  # a phase not reached costs nothing
+    assert built == [] and steps.train_reports() == {}  # a phase not reached costs nothing
     exe, report = steps.train(first, "state", "batch")
     assert steps.train(first, "state", "batch") == (exe, report) and len(built) == 1
     assert exe.plan == run.plan(first) and report == ("report", run.plan(first))
+    assert steps.train_report(first) == report and steps.train_reports() == {first: report}
     steps.train(last, "state", "batch")
+    assert steps.train_reports() == {first: report, last: ("report", run.plan(last))}
     steps.train(first, "state", "batch")
     assert [b[2] for b in built] == [run.plan(first), run.plan(last)]
     assert all(b[:2] == (run.model, mesh) and b[3:5] == ("tx", "shapes") for b in built)

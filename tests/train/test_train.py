@@ -6,6 +6,7 @@ in single-threaded compiles, so on two cores three take little longer than one.
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -41,10 +42,11 @@ def start(workdir, *args, env):
 
 
 def finish(procs, timeout):
-    """Waits for every process; asserts each exited 0."""
+    """Waits for every process; asserts each exited 0. -> each one's stdout."""
     outs = [p.communicate(timeout=timeout) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
+    return [out for out, _ in outs]
 
 
 def losses(workdir):
@@ -70,7 +72,8 @@ def runs(tmp_path_factory):
     below) stores its compiled step in the suite's compilation cache; "fresh"
     runs without the cache; "multi" is 2 processes x 4 CPU devices (gloo) on
     the same mesh; "warm", started once tiny is done, loads tiny's step from
-    the cache. -> {name: workdir}, each finished with exit 0."""
+    the cache. -> {name: workdir}, each finished with exit 0; what each process
+    printed is in WORKDIR.<process>.stdout."""
     base = tmp_path_factory.mktemp("runs")
     dirs = {name: str(base / name) for name in ("tiny", "fresh", "multi", "warm")}
     no_cache = {k: v for k, v in _env().items() if not k.startswith("JAX_PERSISTENT_CACHE")
@@ -83,11 +86,16 @@ def runs(tmp_path_factory):
                         "--num_processes=2", f"--process_id={i}", "--cpu_devices=4",
                         env={**_env(4), "XLA_FLAGS": ""}) for i in range(2)],
     }
+    def keep(name, outs):
+        for i, out in enumerate(outs):
+            with open(f"{dirs[name]}.{i}.stdout", "w") as f:
+                f.write(out)
+
     try:
-        finish(procs["tiny"], timeout=400)
+        keep("tiny", finish(procs["tiny"], timeout=400))
         procs["warm"] = [start(dirs["warm"], *TINY, env=_env())]
         for name in ("fresh", "multi", "warm"):
-            finish(procs[name], timeout=400)
+            keep(name, finish(procs[name], timeout=400))
     finally:
         for p in (p for ps in procs.values() for p in ps):
             if p.poll() is None:
@@ -111,6 +119,67 @@ def test_tiny_trains_and_logs(tiny_run):
         assert key in rec, key
     with open(os.path.join(tiny_run, "metrics.jsonl")) as f:
         assert any("val_loss" in json.loads(line) for line in f)
+
+
+def printed(workdir, process=0):
+    with open(f"{workdir}.{process}.stdout") as f:
+        return f.read()
+
+
+def start_table(out):
+    """{row: {column: cell}} of the table train.py starts with, and the line
+    after it; a cell is "-" or "NUMBER UNIT", the comparison column as printed."""
+    lines = out.splitlines()
+    top = next(i for i, l in enumerate(lines) if l.startswith("Bytes sent per device per step"))
+    head = lines[top + 1].split("|")
+    columns = head[0].split()[1:] + [c.strip() for c in head[1:]]
+    rows = {}
+    for line in lines[top + 2:]:
+        if not line.startswith("  "):
+            return rows, line
+        mine, *theirs = line.split("|")
+        words, cells = mine.split(), []
+        name = " ".join(words[:2]) if words[0] == "2+" else words[0]
+        words = words[len(name.split()):]
+        while words:
+            cells.append(words.pop(0) if words[0] == "-" else f"{words.pop(0)} {words.pop(0)}")
+        rows[name] = dict(zip(columns, cells + [t.strip() for t in theirs]))
+    raise AssertionError(f"no line after the table:\n{out}")
+
+
+def test_tiny_run_starts_and_ends_with_the_bytes_of_its_metrics(runs):
+    """The start table's axis totals and the closing line's bytes are the
+    metrics file's wire_bytes_*, read from the same compiled step; the hybrid
+    column is an estimate and says so."""
+    from jcomp.train.traffic import human
+    tiny = runs["tiny"]
+    out, rec = printed(tiny), first_record(tiny)
+    rows, after = start_table(out)
+    assert list(rows) == ["data", "tensor", "pipeline", "2+ axes", "total"], rows
+    for axis in ("data", "tensor", "pipeline"):
+        assert rows[axis]["total"] == human(rec[f"wire_bytes_{axis}"]), (axis, rows[axis], rec)
+    several = sum(v for k, v in rec.items() if k.startswith("wire_bytes_") and "+" in k)
+    assert several > 0 and rows["2+ axes"]["total"] == human(several)
+    assert rows["total"]["total"] == human(rec["wire_bytes_total"])
+    assert rows["data"]["act"] == rows["data"]["act_grad"] == "-"  # no activations over data
+    assert rows["total"]["hybrid preset*"].startswith("~")
+    assert after.startswith("* estimated from the message plan, not compiled")
+    assert "python train.py --config=configs/hybrid.py" in out
+    last = json.loads(open(os.path.join(tiny, "metrics.jsonl")).read().splitlines()[-1])
+    assert out.splitlines()[-1] == (
+        f"step 8: loss {last['loss']:.4f}, val_loss {last['val_loss']:.4f}; "
+        f"{human(rec['wire_bytes_total'])}/step sent per device; "
+        f"metrics in {os.path.join(tiny, 'metrics.jsonl')}")
+
+
+def test_only_the_first_process_prints(runs):
+    """Of the two processes of a cluster, process 0 prints the table and the
+    closing line, process 1 nothing of its own (gloo's connection lines only)."""
+    ours = lambda out: [l for l in out.splitlines() if not l.startswith("[Gloo] ")]
+    first, second = (ours(printed(runs["multi"], i)) for i in (0, 1))
+    assert second == []
+    assert sum(l.startswith("Bytes sent per device") for l in first) == 1
+    assert first[-1].startswith("step 8: loss ")
 
 
 def test_a_cached_compilation_meters_and_trains_as_a_fresh_one(runs):
@@ -172,32 +241,69 @@ def _n_params_tiny():
     return v * d + n * layer + 2 * d
 
 
-def test_hybrid_cuts_data_axis_traffic_to_a_quarter(tmp_path):
-    """Measured by the byte meter on the compiled step and written to metrics."""
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory):
+    """One step of tiny at d_model 64 as baseline and as hybrid, side by side
+    (independent: together they take the time of one). -> {policy: (workdir,
+    what it printed)}."""
+    base = tmp_path_factory.mktemp("policies")
     # d_model 64: at tiny's 32 the block padding and f32 scales of the many small
     # arrays (biases, norms) take the ratio past a quarter (0.27).
     small = ["--config=configs/tiny.py", "--config.train.steps=1", "--config.optim.warmup_steps=0",
              "--config.train.eval_every=100", "--config.model.d_model=64",
              "--config.model.d_ff=256"]
-    # The two runs are independent: side by side they take the time of one.
-    procs = {name: subprocess.Popen(
-        [sys.executable, "train.py", f"--workdir={tmp_path / name}", *small,
-         f"--config.compression.policy={name}"], cwd=ROOT, env=_env(), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name in ("baseline", "hybrid")}
-    for proc in procs.values():
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
-    base = first_record(str(tmp_path / "baseline"))["wire_bytes_data"]
-    hybrid = first_record(str(tmp_path / "hybrid"))["wire_bytes_data"]
+    procs = {name: start(str(base / name), *small, f"--config.compression.policy={name}",
+                         env=_env()) for name in ("baseline", "hybrid")}
+    try:
+        return {name: (str(base / name), finish([proc], timeout=300)[0])
+                for name, proc in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+
+
+def test_hybrid_cuts_data_axis_traffic_to_a_quarter(policies):
+    """Measured by the byte meter on the compiled step and written to metrics."""
+    base = first_record(policies["baseline"][0])["wire_bytes_data"]
+    hybrid = first_record(policies["hybrid"][0])["wire_bytes_data"]
     assert hybrid <= base / 4, (hybrid, base)
     # val_loss is the exact forward's; a policy that codes forward activations also
     # reports the loss through them, and here int4:rot moves it.
-    last = {n: json.loads((tmp_path / n / "metrics.jsonl").read_text().splitlines()[-1])
-            for n in ("baseline", "hybrid")}
+    last = {n: json.loads(open(os.path.join(w, "metrics.jsonl")).read().splitlines()[-1])
+            for n, (w, _) in policies.items()}
     assert "val_loss" in last["baseline"] and "val_loss_compressed" not in last["baseline"]
     h = last["hybrid"]
     assert all(0 < h[k] < 10 for k in ("val_loss", "val_loss_compressed")), h
     assert h["val_loss_compressed"] != h["val_loss"], h
+
+
+def _mb(cell):
+    """'~1.56 MB (0.16x)' -> 1.56e6."""
+    number, unit = cell.lstrip("~").split()[:2]
+    return float(number) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+
+
+def test_the_plans_estimates_come_within_a_tenth_of_the_compiled_steps(policies):
+    """Each run shows the other policy's bytes estimated from the message plan:
+    the baseline run the hybrid preset's, the hybrid run the uncompressed
+    step's, in its start table and closing line. Each lies within 10% of what
+    the other run's compiled step sends (the estimate leaves out the ZeRO
+    layout's padding of small leaves to whole codec blocks)."""
+    from jcomp.train.traffic import human
+    (b_dir, b_out), (h_dir, h_out) = policies["baseline"], policies["hybrid"]
+    b_total = first_record(b_dir)["wire_bytes_total"]
+    h_total = first_record(h_dir)["wire_bytes_total"]
+    guess = _mb(start_table(b_out)[0]["total"]["hybrid preset*"])
+    assert abs(guess / h_total - 1) < 0.1, (guess, h_total)
+    raw = start_table(h_out)[0]["total"]["uncompressed*"]
+    assert abs(_mb(raw) / b_total - 1) < 0.1, (raw, b_total)
+    closing = re.fullmatch(r"step 1: loss [0-9.]+, val_loss [0-9.]+; (.+)/step sent per device, "
+                           r"~([0-9.]+)x the uncompressed (.+) \(estimated from the message "
+                           r"plan\); metrics in .+", h_out.splitlines()[-1])
+    assert closing, h_out.splitlines()[-1]
+    assert closing[1] == human(h_total) and closing[3] == raw.lstrip("~").split(" (")[0]
+    assert float(closing[2]) == pytest.approx(h_total / _mb(raw), abs=0.01)
 
 
 BAD = [
