@@ -193,6 +193,35 @@ def _along(leaves, dims, send):
     return [jnp.moveaxis(x, 0, d) for x, d in zip(send(moved), dims)]
 
 
+def _in_f32(send, codec, pad=False):
+    """send(leaves) with narrow float leaves (bf16, fp16) widened to float32 for a
+    lossy codec and narrowed back: the codes and scales on the wire are the same,
+    the sum is float32 either way, and leaves of both dtypes share buckets (one
+    collective, not one per dtype). With `pad` (flat reductions), a leaf that a
+    block codec's block does not divide is padded with zeros to whole blocks where
+    that still sends no more than the leaf raw, so it joins the others' bucket
+    instead of a bucket of its own; its blocks stay its own. "none" sends each
+    leaf as it is."""
+    c = kernels.parse(codec)
+    if c.kind == "identity":
+        return send
+    g = c.row_multiple if c.kind == "dense" and pad else 1
+
+    def wide(leaves):
+        ready, padded = [], []
+        for x in leaves:
+            narrow = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4
+            y = x.astype(jnp.float32) if narrow else x
+            n, m = x.size, -(-x.size // g) * g
+            pad = m != n and c.wire_bytes((1, m), jnp.float32) <= n * x.dtype.itemsize
+            ready.append(jnp.pad(y.reshape(-1), (0, m - n)) if pad else y)
+            padded.append(pad)
+        return [(y[:x.size].reshape(x.shape) if pad else y).astype(x.dtype)
+                for x, y, pad in zip(leaves, send(ready), padded)]
+
+    return wide
+
+
 def _gather(shards, specs, data_axes, codec, key, rows, bucket):
     """Each leaf whole over the batch axes: gathered along the dimensions its spec
     splits over them (FSDP), with `codec`; leaves gathered over the same axes
@@ -203,9 +232,9 @@ def _gather(shards, specs, data_axes, codec, key, rows, bucket):
         part = [shards[i] for i in idx]
         for step in reversed(range(len(plan))):
             k = None if key is None else jax.random.fold_in(key, 4 * g + step)
-            part = _along(part, [splits[i][step][0] for i in idx], lambda ls: ops.all_gather(
-                ls, plan[step], axis=0, tiled=True, to="invarying", codec=codec, key=k,
-                rows=rows, **bucket))
+            part = _along(part, [splits[i][step][0] for i in idx], _in_f32(
+                lambda ls: ops.all_gather(ls, plan[step], axis=0, tiled=True, to="invarying",
+                                          codec=codec, key=k, rows=rows, **bucket), codec))
         for i, x in zip(idx, part):
             out[i] = x
     return out
@@ -226,12 +255,13 @@ def _reduce(grads, outs, data_axes, codec, key, rows, bucket):
         part = [grads[i] for i in idx]
         for step, axes in enumerate(scattered):
             k = None if key is None else jax.random.fold_in(key, 4 * g + step)
-            part = _along(part, [splits[i][step][0] for i in idx], lambda ls: ops.psum_scatter(
-                ls, axes, scatter_dimension=0, tiled=True, codec=codec, key=k, rows=rows,
-                **bucket))
+            part = _along(part, [splits[i][step][0] for i in idx], _in_f32(
+                lambda ls: ops.psum_scatter(ls, axes, scatter_dimension=0, tiled=True,
+                                            codec=codec, key=k, rows=rows, **bucket), codec))
         if left:
             k = None if key is None else jax.random.fold_in(key, 4 * g + 3)
-            part = ops.psum(part, left, codec=codec, key=k, rows=rows, **bucket)
+            part = _in_f32(lambda ls: ops.psum(ls, left, codec=codec, key=k, rows=rows,
+                                               **bucket), codec, pad=rows == "flat")(part)
         for i, x in zip(idx, part):
             out[i] = x
     return out
