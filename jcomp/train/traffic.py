@@ -72,15 +72,21 @@ def _kinds_by_message(plan: messages.Plan) -> dict[str, str]:
     return {m.name: m.entry.partition(".")[2] for m in plan.messages()}
 
 
-def read(report: wire.WireReport, plan: messages.Plan) -> Traffic:
-    """The compiled step's bytes by axis and the policy kind of the message each
-    collective belongs to ("other" for the few outside any message)."""
+def _cells(report: wire.WireReport, plan: messages.Plan, factor: Mapping[str, float]) -> dict:
+    """{(row, kind): bytes}, each collective's bytes times its message's factor (1
+    for messages without one)."""
     kind_of = _kinds_by_message(plan)
     cells: dict = {}
     for c in report.collectives:
         key = (_row_of(c), kind_of.get(c.message, "other"))
-        cells[key] = cells.get(key, 0.0) + c.total_bytes
-    return Traffic(cells)
+        cells[key] = cells.get(key, 0.0) + c.total_bytes * factor.get(c.message, 1.0)
+    return cells
+
+
+def read(report: wire.WireReport, plan: messages.Plan) -> Traffic:
+    """The compiled step's bytes by axis and the policy kind of the message each
+    collective belongs to ("other" for the few outside any message)."""
+    return Traffic(_cells(report, plan, {}))
 
 
 def codec_ratio(codec, rows: str, row: int, dtype) -> float | None:
@@ -125,12 +131,7 @@ def estimate(report: wire.WireReport, plan: messages.Plan, other: messages.Plan,
         if was is None or new is None:
             return None
         factor[name] = new / was
-    kind_of = _kinds_by_message(plan)
-    cells: dict = {}
-    for c in report.collectives:
-        key = (_row_of(c), kind_of.get(c.message, "other"))
-        cells[key] = cells.get(key, 0.0) + c.total_bytes * factor.get(c.message, 1.0)
-    return Traffic(cells, estimated=True)
+    return Traffic(_cells(report, plan, factor), estimated=True)
 
 
 # ------------------------------------------------------------------ text
@@ -141,8 +142,9 @@ def human(n: float) -> str:
         return f"{n:.0f} B"
     for unit in ("kB", "MB", "GB", "TB"):
         n /= 1000
-        if round(n, 2 if n < 10 else 1 if n < 100 else 0) < 1000 or unit == "TB":
-            return f"{n:.{2 if n < 10 else 1 if n < 100 else 0}f} {unit}"
+        digits = 2 if n < 10 else 1 if n < 100 else 0
+        if round(n, digits) < 1000 or unit == "TB":  # never "1000 kB"
+            return f"{n:.{digits}f} {unit}"
 
 
 def codecs_line(plan: messages.Plan) -> str:
@@ -165,8 +167,7 @@ def start_table(now: Traffic, other: Traffic | None, *, compressed: bool, other_
     head = ["axis", *kinds, "total"] + ([f"| {other_name}*"] if other else [])
     body = []
     for r in now.rows() + ["total"]:
-        cell = (lambda k: now.column(k)) if r == "total" else (
-            lambda k: now.cells.get((r, k), 0.0))
+        cell = now.column if r == "total" else lambda k, r=r: now.cells.get((r, k), 0.0)
         line = [r] + [human(cell(k)) if cell(k) else "-" for k in kinds]
         line.append(human(now.total() if r == "total" else now.row(r)))
         if other:
