@@ -1,0 +1,198 @@
+"""Reductions over several mesh axes with a codec per axis: raw over the fast
+hops, coded over the slow one.
+
+A cluster has a fast link inside a node or slice (NVLink, ICI) and a slow one
+between them (InfiniBand, Ethernet, DCN). With the mesh axes split along that
+boundary, say ("dcn", "ici"),
+
+    cc.psum(x, ("dcn", "ici"), codec={"dcn": "int4:rot"})
+
+codes only what crosses "dcn"; axes the dict does not name travel raw. It runs
+hierarchically, as ZeRO++'s hierarchical gradient reduction and SDP4Bit do by
+hand: a reduce-scatter over the raw axes (lax's), the coded all-reduce over the
+coded axes on 1/n_raw of the data, an all-gather over the raw axes (lax's).
+The slow hop carries 1/n_raw of what a flat coded all-reduce over both axes
+would; the fast hops carry what an uncoded all-reduce over them does.
+
+Rows stay apart: a leaf is laid out as rows (`rows="independent"`: vectors of
+its last axis; `"flat"`: the leaf as one vector cut into n_raw pieces) and the
+reduce-scatter hands each device whole rows, so every block, scale and rotation
+of the coded step lies inside one row, as for every op. With every codec "none"
+the call is `lax.psum` itself. A plain string codec means every axis and is
+`ops.psum` unchanged. The backward moves nothing under `check_vma` (as
+`lax.psum`'s); without it, it is the same hierarchical reduction with
+`bwd_codec`.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jcomp.collectives import kernels, ops
+from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
+
+__all__ = ["psum", "pmean", "per_axis"]
+
+
+def per_axis(codec, axes) -> dict | None:
+    """{axis: parsed codec} for a dict codec over `axes` (axes it does not name:
+    "none"), or None for a single codec. Names outside `axes` are refused."""
+    if not isinstance(codec, Mapping):
+        return None
+    unknown = [a for a in codec if a not in axes]
+    if unknown:
+        raise ValueError(f"codec names axes {unknown} that the reduction over {axes} does not "
+                         "cover; name only its axes (axes not named travel raw)")
+    out = {}
+    for a in axes:
+        try:
+            out[a] = kernels.parse(codec.get(a, "none"))
+        except ValueError as e:
+            raise ValueError(f"codec[{a!r}]: {e}") from None
+    return out
+
+
+def psum(x, axis_name, *, codec="none", bwd_codec=None, key=None, rows="independent",
+         bucket_bytes=DEFAULT_BUCKET_BYTES, axis_index_groups=None):
+    """`jax.lax.psum` with a codec per axis (a dict) or one for all (a string, as
+    `ops.psum`). See the module doc for the dict form."""
+    axes = kernels.axes_of(axis_name)
+    fwd = per_axis(codec, axes)
+    if fwd is None and not isinstance(bwd_codec, Mapping):
+        return ops.psum(x, axis_name, codec=codec, bwd_codec=bwd_codec, key=key, rows=rows,
+                        bucket_bytes=bucket_bytes, axis_index_groups=axis_index_groups)
+    fwd = fwd or {a: kernels.parse(codec) for a in axes}
+    bwd = per_axis(bwd_codec, axes) if bwd_codec is not None else fwd
+    if bwd is None:
+        bwd = {a: kernels.parse(bwd_codec) for a in axes}
+    kernels.check_rows(rows)
+    if all(c.kind == "identity" for c in (*fwd.values(), *bwd.values())):
+        return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
+    if axis_index_groups is not None:
+        raise ValueError("axis_index_groups is not supported with a codec per axis")
+    for leaf in jax.tree.leaves(x):  # as ops: at every size
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(f"codec {dict(codec) if isinstance(codec, Mapping) else codec!r} "
+                            f"codes floating-point arrays; got a leaf of dtype "
+                            f"{jnp.result_type(leaf)} (send integer and boolean leaves with "
+                            "codec='none')")
+    for c in (*fwd.values(), *bwd.values()):
+        kernels.check_key(key, c)
+    spec = _Spec(axes, tuple(fwd.items()), tuple(bwd.items()), rows, bucket_bytes,
+                 ops._checked(axes))
+    leaves, treedef = jax.tree.flatten(x)
+    return jax.tree.unflatten(treedef, _hier(spec, leaves, key))
+
+
+def pmean(x, axis_name, **kw):
+    """`psum` divided by the number of devices over `axis_name`."""
+    if not isinstance(kw.get("codec", "none"), Mapping) and not isinstance(
+            kw.get("bwd_codec"), Mapping):
+        return ops.pmean(x, axis_name, **kw)
+    n = lax.axis_size(kernels.axes_of(axis_name))
+    return jax.tree.map(lambda v: v / n, psum(x, axis_name, **kw))
+
+
+class _Spec(tuple):
+    """(axes, fwd codecs, bwd codecs, rows, bucket_bytes, checked): static."""
+
+    def __new__(cls, *parts):
+        return super().__new__(cls, parts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _hier(spec, leaves, key):
+    return _forward(spec, leaves, key, spec[1])
+
+
+def _hier_fwd(spec, leaves, key):
+    return _hier(spec, leaves, key), key
+
+
+def _hier_bwd(spec, key, cts):
+    axes, _, bwd, *_ , checked = spec
+    if checked:  # the transpose of an all-reduce into an invariant value
+        return [kernels.vary(ct, axes) for ct in cts], None
+    k = None if key is None else jax.random.fold_in(key, 1)
+    return _forward(spec, list(cts), k, bwd), None
+
+
+_hier.defvjp(_hier_fwd, _hier_bwd)
+
+
+def _forward(spec, leaves, key, codecs):
+    """Each leaf summed over the axes: raw reduce-scatter over the uncoded axes,
+    coded all-reduce over the others (one call per codec, in the axes' order),
+    raw all-gather back."""
+    axes, _, _, rows, bucket_bytes, checked = spec
+    codecs = dict(codecs)
+    raw = tuple(a for a in axes if codecs[a].kind == "identity")
+    coded = [a for a in axes if a not in raw]
+    n_raw = lax.axis_size(raw) if raw else 1
+    ready, shapes = [], []
+    for leaf in leaves:
+        live = axes
+        if checked:  # n identical copies sum to n * x: nothing travels over those axes
+            invariant = tuple(a for a in axes if a not in jax.typeof(leaf).mat.varying)
+            if invariant:
+                leaf = leaf * lax.axis_size(invariant)
+            live = tuple(a for a in axes if a not in invariant)
+        shapes.append((leaf.shape, leaf.dtype, live))
+        ready.append(_as_rows(leaf, n_raw, rows))
+    out = list(ready)
+    for live in sorted({s[2] for s in shapes}):  # leaves that travel over the same axes
+        idx = [i for i, s in enumerate(shapes) if s[2] == live]
+        part = [ready[i] for i in idx]
+        live_raw = tuple(a for a in raw if a in live)
+        if live_raw:  # rows were padded to a multiple of n_raw: whole rows per device
+            part = [lax.psum_scatter(kernels.vary(p, live_raw), live_raw, scatter_dimension=0,
+                                     tiled=True) for p in part]
+        for j, (codec, group) in enumerate(_runs([a for a in coded if a in live], codecs)):
+            k = None if key is None else jax.random.fold_in(key, j)
+            part = ops.psum(part, group, codec=codec, bwd_codec="none", key=k, rows=rows,
+                            bucket_bytes=bucket_bytes)
+        if live_raw:
+            part = [lax.all_gather(p, live_raw, axis=0, tiled=True, to="invarying")
+                    for p in part]
+        for i, p in zip(idx, part):
+            out[i] = p
+    return [_from_rows(o, shape, dtype) for o, (shape, dtype, _) in zip(out, shapes)]
+
+
+def _runs(coded, codecs):
+    """Consecutive coded axes with the same codec, as (codec, axes) pairs: one
+    all-reduce over several axes where they share a codec."""
+    out = []
+    for a in coded:
+        if out and str(out[-1][0]) == str(codecs[a]):
+            out[-1] = (out[-1][0], out[-1][1] + (a,))
+        else:
+            out.append((codecs[a], (a,)))
+    return [(c, g if len(g) > 1 else g[0]) for c, g in out]
+
+
+def _as_rows(leaf, n, rows):
+    """`leaf` as [R, C] rows in its own dtype, R padded with zero rows to a multiple
+    of n: "independent": one row per vector of the last axis; "flat": the leaf cut
+    into n pieces (each then a row of its own)."""
+    x = leaf
+    if rows == "independent":
+        x_RxC = x.reshape(-1, leaf.shape[-1] if leaf.ndim else 1)
+    else:
+        flat = x.reshape(-1)
+        c = -(-flat.shape[0] // n)
+        x_RxC = jnp.pad(flat, (0, n * c - flat.shape[0])).reshape(n, c)
+    r = x_RxC.shape[0]
+    pad = -(-r // n) * n - r
+    return jnp.pad(x_RxC, ((0, pad), (0, 0))) if pad else x_RxC
+
+
+def _from_rows(x_RxC, shape, dtype):
+    size = 1
+    for d in shape:
+        size *= d
+    return x_RxC.reshape(-1)[:size].reshape(shape).astype(dtype)

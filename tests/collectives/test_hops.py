@@ -1,0 +1,135 @@
+"""cc.psum / cc.pmean with a codec per mesh axis (jcomp/collectives/hops.py):
+raw over the fast hop, coded over the slow one, hierarchically. Bytes are
+read from compiled programs (jcomp.meter.wire), per mesh axis."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jcomp import collectives as cc
+from jcomp.meter import wire
+
+MESHES = {(2, 4): ("dcn", "ici"), (4, 2): ("dcn", "ici"), (2, 2, 2): ("dcn", "ici", "chip")}
+
+
+def _mesh(shape):
+    names = MESHES[shape]
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
+
+
+def _run(mesh, fn, x, grad=False):
+    """fn on each device's block (leading dim: one per device) -> (result, report)."""
+    every = P(mesh.axis_names)
+    weight = lambda b: jnp.linspace(-1.0, 1.0, b.size, dtype=b.dtype).reshape(b.shape)
+    body = (lambda a: fn(a[0])[None]) if not grad else (  # linear: the gradient is exact
+        lambda a: jax.grad(lambda b: jnp.sum(fn(b) * weight(b)))(a[0])[None])
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=every, out_specs=every))
+    x = jax.device_put(x, NamedSharding(mesh, every))
+    return np.asarray(f(x)), wire.measure(f, x, mesh=mesh)
+
+
+def _data(n_dev, shape=(64, 512), seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal((n_dev,) + shape).astype(dtype)
+
+
+@pytest.mark.parametrize("shape", list(MESHES))
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_uncoded_hops_are_lax_psum_bitwise(shape, dtype):
+    """A dict that codes no axis (or names "none") is lax.psum itself, values and
+    gradients bit for bit, and sends what lax sends."""
+    mesh = _mesh(shape)
+    axes = mesh.axis_names
+    x = _data(mesh.size, dtype=np.float32).astype(dtype)
+    ref, r_ref = _run(mesh, lambda a: lax.psum(a, axes), x)
+    for codec in ({}, {axes[0]: "none"}):
+        got, r_got = _run(mesh, lambda a: cc.psum(a, axes, codec=codec), x)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+        assert r_got.by_axis() == r_ref.by_axis()
+    g_ref, _ = _run(mesh, lambda a: lax.psum(a, axes), x, grad=True)
+    g_got, _ = _run(mesh, lambda a: cc.psum(a, axes, codec={}), x, grad=True)
+    np.testing.assert_array_equal(np.asarray(g_got, np.float32), np.asarray(g_ref, np.float32))
+
+
+@pytest.mark.parametrize("shape", list(MESHES))
+@pytest.mark.parametrize("codec,bound", [("int8", 0.02), ("int4:rot", 0.2)])
+def test_slow_hop_coded_fast_hops_raw(shape, codec, bound):
+    """codec={"dcn": c}: the result within c's error of lax.psum (the error of one
+    coded reduction over dcn, never more than the flat coded psum over every
+    axis); "dcn" carries at most 1/n_fast of the flat coded psum's bytes; the
+    fast axes carry no more than lax's reduce-scatter plus all-gather over them
+    (lax.psum over them alone), and nothing raw crosses "dcn"."""
+    mesh = _mesh(shape)
+    axes = mesh.axis_names
+    slow, fast = axes[0], axes[1:]
+    n_fast = int(np.prod([mesh.shape[a] for a in fast]))
+    x = _data(mesh.size)
+    ref, _ = _run(mesh, lambda a: lax.psum(a, axes), x)
+    hop, r_hop = _run(mesh, lambda a: cc.psum(a, axes, codec={slow: codec}), x)
+    flat, r_flat = _run(mesh, lambda a: cc.psum(a, axes, codec=codec), x)
+    scale = np.abs(ref).max()
+    assert np.abs(hop - ref).max() <= bound * scale
+    assert np.abs(hop - ref).max() <= np.abs(flat - ref).max() * 1.05
+    by = r_hop.by_axis()
+    assert by[slow] <= r_flat.total() / n_fast, (by, r_flat.by_axis())
+    _, r_fast = _run(mesh, lambda a: lax.psum(a, fast), x)
+    assert sum(v for k, v in by.items() if k != slow) <= r_fast.total(), (by, r_fast.by_axis())
+    assert all(c.dtype in ("u8", "s8") for c in r_hop.collectives if c.axes == (slow,))
+    np.testing.assert_allclose(
+        *(_run(mesh, lambda a: f(a, axes, codec={slow: codec}), x)[0] for f in (cc.pmean,)),
+        hop / mesh.size, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", ["independent", "flat"])
+def test_one_row_moves_only_its_own_sum(rows):
+    """Perturbing one row of one device's block changes that row of the sum and no
+    other (rows="independent"); rows="flat" keeps leaves apart: a second leaf in
+    the same call does not move."""
+    mesh = _mesh((2, 4))
+    axes = mesh.axis_names
+    x = _data(mesh.size, (16, 256))
+    y = x.copy()
+    y[3, 5] *= 1000.0
+    codec = {"dcn": "int4:rot"}
+    if rows == "independent":
+        a, _ = _run(mesh, lambda b: cc.psum(b, axes, codec=codec, rows=rows), x)
+        b, _ = _run(mesh, lambda b: cc.psum(b, axes, codec=codec, rows=rows), y)
+        moved = np.nonzero(np.any(a != b, axis=(0, 2)))[0]
+        assert list(moved) == [5]
+    else:
+        other = _data(mesh.size, (16, 256), seed=1)
+        pair = lambda b: sum(cc.psum([b, jnp.asarray(other[0])], axes, codec=codec,
+                                     rows=rows)[1:])
+        a, _ = _run(mesh, pair, x)
+        b, _ = _run(mesh, pair, y)
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gradient_moves_nothing_under_check_vma():
+    """As lax.psum's: the transpose of an all-reduce into an invariant value is a
+    local cast, so the gradient equals lax's bit for bit and the backward sends
+    nothing (the loss is linear, so XLA drops the forward: the gradient program
+    holds no collective at all, lax's neither)."""
+    mesh = _mesh((2, 4))
+    axes = mesh.axis_names
+    x = _data(mesh.size)
+    g_ref, _ = _run(mesh, lambda a: lax.psum(a, axes), x, grad=True)
+    g_hop, r = _run(mesh, lambda a: cc.psum(a, axes, codec={"dcn": "int8"}), x, grad=True)
+    np.testing.assert_array_equal(g_hop, g_ref)
+    assert r.total() == 0, r.by_axis()
+
+
+def test_bad_arguments_are_named():
+    mesh = _mesh((2, 4))
+    axes = mesh.axis_names
+    x = _data(mesh.size)
+    with pytest.raises(ValueError, match=r"codec names axes \['tensor'\]"):
+        _run(mesh, lambda a: cc.psum(a, axes, codec={"tensor": "int8"}), x)
+    with pytest.raises(ValueError, match=r"codec\['dcn'\]: invalid codec spec 'int9'"):
+        _run(mesh, lambda a: cc.psum(a, axes, codec={"dcn": "int9"}), x)
+    with pytest.raises(TypeError, match="codes floating-point arrays; got a leaf of dtype int32"):
+        _run(mesh, lambda a: cc.psum(a.astype(jnp.int32), axes, codec={"dcn": "int8"}), x)
+    with pytest.raises(ValueError, match="key="):
+        _run(mesh, lambda a: cc.psum(a, axes, codec={"dcn": "int8:sr"}), x)
