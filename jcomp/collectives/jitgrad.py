@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import jitspecs, kernels, ops
+from jcomp.collectives import hops, jitspecs, kernels, ops
 from jcomp.collectives.jitspecs import scatter_specs  # noqa: F401  (public)
 
 __all__ = ["value_and_grad", "scatter_specs", "gather_params"]
@@ -106,7 +107,9 @@ def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
     over `data_axes` (FSDP): it is gathered with `param_codec` and its gradient
     comes back reduce-scattered, with the parameter's own spec.
     data_axes: every mesh axis the batch is split over (MaxText: ("data", "fsdp")).
-    codec: the gradients' codec; "none" is lax's reduction. key: for codecs that
+    codec: the gradients' codec, or a codec per batch axis ({"dcn": "int4:rot"}:
+    coded across that hop only, the others raw; see `hops`); "none" is lax's
+    reduction. key: for codecs that
     draw (`:sr`, randk). microbatches=k: k gradients accumulated in float32
     (`lax.scan`), one reduction per call. scatter=True: every gradient comes back
     reduce-scattered over the data axes it does not use (`scatter_specs`), for
@@ -117,13 +120,18 @@ def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
     _check_mean_over(mean_over)
     aux_rules = _aux_rules(aux, has_aux)
     for name, c in (("codec", codec), ("param_codec", param_codec)):
-        try:
-            kind = kernels.parse(c).kind
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-        if kind not in ("identity", "dense", "sparse"):
-            raise ValueError(f"{name} {c!r}: value_and_grad takes a byte codec (none, bf16, "
-                             "fp16, fp8, int8/int4/int2, topk, randk)")
+        for axis, one in (c.items() if isinstance(c, Mapping) else [(None, c)]):
+            where = name if axis is None else f"{name}[{axis!r}]"
+            if axis is not None and axis not in data_axes:
+                raise ValueError(f"{name} names the axis {axis!r}, not one of data_axes "
+                                 f"{data_axes} (axes not named travel raw)")
+            try:
+                kind = kernels.parse(one).kind
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            if kind not in ("identity", "dense", "sparse"):
+                raise ValueError(f"{where} {one!r}: value_and_grad takes a byte codec (none, "
+                                 "bf16, fp16, fp8, int8/int4/int2, topk, randk)")
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int; got {microbatches!r}")
     kernels.check_rows(rows)
@@ -193,6 +201,20 @@ def _along(leaves, dims, send):
     return [jnp.moveaxis(x, 0, d) for x, d in zip(send(moved), dims)]
 
 
+def _codec_over(codec, axes):
+    """The codec a call over `axes` sends with: `codec` itself, or for a codec per
+    axis the one its axes share (a reduce-scatter or gather over axes with
+    different codecs is one collective and cannot mix them)."""
+    if not isinstance(codec, Mapping):
+        return codec
+    named = {str(kernels.parse(codec.get(a, "none"))) for a in axes}
+    if len(named) > 1:
+        raise ValueError(f"codec {dict(codec)}: parameters split over {axes} together are "
+                         "gathered and reduce-scattered in one collective over those axes, "
+                         "so give them one codec")
+    return named.pop()
+
+
 def _in_f32(send, codec, pad=False):
     """send(leaves) with narrow float leaves (bf16, fp16) widened to float32 for a
     lossy codec and narrowed back: the codes and scales on the wire are the same,
@@ -202,6 +224,8 @@ def _in_f32(send, codec, pad=False):
     that still sends no more than the leaf raw, so it joins the others' bucket
     instead of a bucket of its own; its blocks stay its own. "none" sends each
     leaf as it is."""
+    if isinstance(codec, Mapping):  # per hop: hops.psum lays the leaves out itself
+        return send
     c = kernels.parse(codec)
     if c.kind == "identity":
         return send
@@ -232,9 +256,10 @@ def _gather(shards, specs, data_axes, codec, key, rows, bucket):
         part = [shards[i] for i in idx]
         for step in reversed(range(len(plan))):
             k = None if key is None else jax.random.fold_in(key, 4 * g + step)
+            c = _codec_over(codec, plan[step])
             part = _along(part, [splits[i][step][0] for i in idx], _in_f32(
                 lambda ls: ops.all_gather(ls, plan[step], axis=0, tiled=True, to="invarying",
-                                          codec=codec, key=k, rows=rows, **bucket), codec))
+                                          codec=c, key=k, rows=rows, **bucket), c))
         for i, x in zip(idx, part):
             out[i] = x
     return out
@@ -255,13 +280,16 @@ def _reduce(grads, outs, data_axes, codec, key, rows, bucket):
         part = [grads[i] for i in idx]
         for step, axes in enumerate(scattered):
             k = None if key is None else jax.random.fold_in(key, 4 * g + step)
+            c = _codec_over(codec, axes)
             part = _along(part, [splits[i][step][0] for i in idx], _in_f32(
                 lambda ls: ops.psum_scatter(ls, axes, scatter_dimension=0, tiled=True,
-                                            codec=codec, key=k, rows=rows, **bucket), codec))
+                                            codec=c, key=k, rows=rows, **bucket), c))
         if left:
             k = None if key is None else jax.random.fold_in(key, 4 * g + 3)
-            part = _in_f32(lambda ls: ops.psum(ls, left, codec=codec, key=k, rows=rows,
-                                               **bucket), codec, pad=rows == "flat")(part)
+            c = ({a: v for a, v in codec.items() if a in left} if isinstance(codec, Mapping)
+                 else codec)
+            part = _in_f32(lambda ls: hops.psum(ls, left, codec=c, key=k, rows=rows,
+                                                **bucket), c, pad=rows == "flat")(part)
         for i, x in zip(idx, part):
             out[i] = x
     return out
