@@ -29,13 +29,14 @@ import functools
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
 from jcomp.collectives import kernels, ops
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
 
-__all__ = ["psum", "pmean", "per_axis"]
+__all__ = ["psum", "pmean", "psum_scatter", "all_gather", "per_axis"]
 
 
 def per_axis(codec, axes) -> dict | None:
@@ -196,3 +197,143 @@ def _from_rows(x_RxC, shape, dtype):
     for d in shape:
         size *= d
     return x_RxC.reshape(-1)[:size].reshape(shape).astype(dtype)
+
+
+def _split(codec, bwd_codec, axes):
+    """-> (raw axes, [(codec spec, coded axes)] in the axes' order, bwd per axis) for a
+    codec per axis, or None for a single codec."""
+    fwd = per_axis(codec, axes)
+    if fwd is None and not isinstance(bwd_codec, Mapping):
+        return None
+    fwd = fwd or {a: kernels.parse(codec) for a in axes}
+    bwd = (fwd if bwd_codec is None else per_axis(bwd_codec, axes)
+           or {a: kernels.parse(bwd_codec) for a in axes})
+    raw = tuple(a for a in axes if fwd[a].kind == "identity" and bwd[a].kind == "identity")
+    runs = []
+    for a in axes:
+        if a in raw:
+            continue
+        if runs and (str(fwd[runs[-1][2][0]]), str(bwd[runs[-1][2][0]])) == (str(fwd[a]),
+                                                                              str(bwd[a])):
+            runs[-1][2].append(a)
+        else:
+            runs.append((str(fwd[a]), str(bwd[a]), [a]))
+    return raw, [(f, b, tuple(g)) for f, b, g in runs]
+
+
+def _factors(x, dim, axes):
+    """x with `dim` split into one factor per axis (in the axes' order) and the
+    block: -> (x_F1x..xFkxB.., the first factor's position)."""
+    sizes = [lax.axis_size(a) for a in axes]
+    shape = list(x.shape)
+    block = shape[dim] // int(np.prod(sizes))  # 1 untiled: that dimension goes
+    return x.reshape(shape[:dim] + sizes + [block] + shape[dim + 1:]), dim
+
+
+def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, tiled=False,
+                 codec="none", bwd_codec=None, key=None, rows="independent",
+                 bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """`jax.lax.psum_scatter` with a codec per axis (a dict): lax's reduce-scatter
+    over the raw axes first, then the coded reduce-scatter over the coded axes on
+    what is left, each device ending with lax's block. A single codec is
+    `ops.psum_scatter`."""
+    axes = kernels.axes_of(axis_name)
+    plan = _split(codec, bwd_codec, axes)
+    if plan is None:
+        return ops.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
+                                axis_index_groups=axis_index_groups, tiled=tiled, codec=codec,
+                                bwd_codec=bwd_codec, key=key, rows=rows,
+                                bucket_bytes=bucket_bytes)
+    raw, runs = plan
+    if not runs:
+        return ops.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
+                                axis_index_groups=axis_index_groups, tiled=tiled)
+    if axis_index_groups is not None:
+        raise ValueError("axis_index_groups is not supported with a codec per axis")
+    kernels.dims_of(x, scatter_dimension, "scatter_dimension", "psum_scatter")
+    order = list(raw) + [a for _, _, g in runs for a in g]
+
+    def one(leaf, k):
+        dim = scatter_dimension % leaf.ndim
+        n = lax.axis_size(axes)
+        if (leaf.shape[dim] % n) if tiled else leaf.shape[dim] != n:
+            raise ValueError(f"psum_scatter: dimension {dim} of size {leaf.shape[dim]} must be "
+                             f"{'divisible by' if tiled else 'equal to'} the {n} devices over "
+                             f"{axes}")
+        f, at = _factors(leaf, dim, axes)
+        # raw axes' factors first, then the coded ones', each group in the axes' order
+        perm = [at + axes.index(a) for a in order]
+        f = jnp.moveaxis(f, perm, list(range(at, at + len(axes))))
+        lead = f.shape[:at]
+        if raw:
+            n_raw = lax.axis_size(raw)
+            f = f.reshape(lead + (n_raw,) + f.shape[at + len(raw):])
+            f = lax.psum_scatter(kernels.vary(f, raw), raw, scatter_dimension=at, tiled=True)
+            f = f.reshape(lead + f.shape[at + 1:])
+        for j, (fc, bc, group) in enumerate(runs):
+            kk = None if k is None else jax.random.fold_in(k, j)
+            n_g = lax.axis_size(group)
+            f = f.reshape(lead + (n_g,) + f.shape[at + len(group):])
+            f = ops.psum_scatter(f, group if len(group) > 1 else group[0],
+                                 scatter_dimension=at, tiled=True, codec=fc, bwd_codec=bc,
+                                 key=kk, rows=rows, bucket_bytes=bucket_bytes)
+            f = f.reshape(lead + f.shape[at + 1:])
+        return f if tiled else jnp.squeeze(f, at)
+
+    leaves, treedef = jax.tree.flatten(x)
+    keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(leaves))]
+    return jax.tree.unflatten(treedef, [one(leaf, k) for leaf, k in zip(leaves, keys)])
+
+
+def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to="varying",
+               codec="none", bwd_codec=None, key=None, rows="independent",
+               bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """`jax.lax.all_gather` with a codec per axis (a dict): the coded gathers first,
+    on the small piece, then lax's gather over the raw axes, the blocks laid out
+    as lax's. Its backward is the per-hop reduce-scatter (bwd_codec). A single
+    codec is `ops.all_gather`."""
+    axes = kernels.axes_of(axis_name)
+    plan = _split(codec, bwd_codec, axes)
+    if plan is None:
+        return ops.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
+                              tiled=tiled, to=to, codec=codec, bwd_codec=bwd_codec, key=key,
+                              rows=rows, bucket_bytes=bucket_bytes)
+    raw, runs = plan
+    if not runs:
+        return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
+                              tiled=tiled, to=to)
+    if axis_index_groups is not None:
+        raise ValueError("axis_index_groups is not supported with a codec per axis")
+    if to not in ("varying", "invarying"):
+        raise ValueError(f"all_gather: to={to!r} is not supported with compression; "
+                         "allowed: 'varying', 'invarying'")
+    kernels.dims_of(x, axis, "axis", "all_gather", 0 if tiled else 1)
+    order = [a for _, _, g in runs for a in g] + list(raw)
+
+    def one(leaf, k):
+        dim = axis % (leaf.ndim + (0 if tiled else 1))
+        g = leaf[None]  # gathered factors lead, newest first
+        got = []
+        for j, (fc, bc, group) in enumerate(runs):
+            kk = None if k is None else jax.random.fold_in(k, j)
+            g = ops.all_gather(g, group if len(group) > 1 else group[0], axis=0, to=to,
+                               codec=fc, bwd_codec=bc, key=kk, rows=rows,
+                               bucket_bytes=bucket_bytes)
+            g = g.reshape((lax.axis_size(group) * g.shape[1],) + g.shape[2:])
+            got.append(group)
+        if raw:
+            g = lax.all_gather(g, raw, axis=0, to=to)
+            g = g.reshape((-1,) + g.shape[2:])
+        # g: [n_order..., block] with the last-gathered group leading; lay the
+        # factors out in the axes' order, then as lax puts them along `dim`
+        gathered = ([raw] if raw else []) + got[::-1]
+        names = [a for grp in gathered for a in grp]
+        sizes = [lax.axis_size(a) for a in names]
+        g = g.reshape(tuple(sizes) + leaf.shape)
+        g = jnp.moveaxis(g, [names.index(a) for a in axes], list(range(len(axes))))
+        g = g.reshape((int(np.prod(sizes)),) + leaf.shape)
+        return kernels.stack_along(g, dim, tiled)
+
+    leaves, treedef = jax.tree.flatten(x)
+    keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(leaves))]
+    return jax.tree.unflatten(treedef, [one(leaf, k) for leaf, k in zip(leaves, keys)])
