@@ -109,8 +109,7 @@ def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
     data_axes: every mesh axis the batch is split over (MaxText: ("data", "fsdp")).
     codec: the gradients' codec, or a codec per batch axis ({"dcn": "int4:rot"}:
     coded across that hop only, the others raw; see `hops`); "none" is lax's
-    reduction. key: for codecs that
-    draw (`:sr`, randk). microbatches=k: k gradients accumulated in float32
+    reduction. key: for codecs that draw (`:sr`, randk). microbatches=k: k gradients accumulated in float32
     (`lax.scan`), one reduction per call. scatter=True: every gradient comes back
     reduce-scattered over the data axes it does not use (`scatter_specs`), for
     an optimizer state sharded over them (`gather_params` brings parameters back).
@@ -152,7 +151,7 @@ def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
             k = None if key is None else k
             gk, rk = (None, None) if k is None else jax.random.split(k)
             full = _nested(rest, specs, specs, lambda ls: _gather(
-                ls, specs, data_axes, param_codec, gk, rows, bucket), shards, to_full=True)
+                ls, specs, data_axes, param_codec, gk, rows, bucket), shards)
             p_var = treedef.unflatten(ops.vary(full, data_axes))  # no automatic psum
             (loss, aux_v), grads = _accumulate(value_of, p_var, batch, microbatches,
                                                data_axes, mean_over, aux_rules)
@@ -173,7 +172,7 @@ def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
     return fn
 
 
-def _nested(rest, in_specs, out_specs, body, leaves, to_full=False):
+def _nested(rest, in_specs, out_specs, body, leaves):
     """body(leaves) in a map manual over the other axes too, so that each device
     works on its own shards and nothing is gathered over an automatic axis."""
     if not rest:
