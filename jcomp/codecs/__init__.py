@@ -12,9 +12,9 @@ unchanged), "dense" (decode, sum in float32, code again), "sparse" (scatter-add)
 or, for the structured codecs, "lowrank" and "learned". `row_multiple` is the
 row length that codes without padding; `needs_key` codecs draw random numbers.
 A NaN or Inf is never coded into a finite number. Modules, by family: `base`,
-`blockwise`, `rotation`, `sparse`, `spec` (the grammar), `reader` and
-`structured` (the specs of jcomp.powersgd and jcomp.autoencoder). Nothing here
-imports from outside the package.
+`blockwise`, `microscale` (MXFP8, MXFP4, NVFP4), `rotation`, `sparse`, `spec`
+(the grammar), `reader` and `structured` (the specs of jcomp.powersgd and
+jcomp.autoencoder). Nothing here imports from outside the package.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Any
 
 from jcomp.codecs.base import Cast, Identity, Payload  # noqa: F401
 from jcomp.codecs.blockwise import DEFAULT_BLOCK, Fp8, IntQuant, fit, fit_row  # noqa: F401
+from jcomp.codecs.microscale import Mx, NvFp4  # noqa: F401
 from jcomp.codecs.reader import byte_codec, parse_byte, split
 from jcomp.codecs.sparse import RandK, TopK  # noqa: F401
 from jcomp.codecs.spec import VALID_FORMS  # noqa: F401
@@ -29,7 +30,7 @@ from jcomp.codecs.structured import Autoencoder, PowerSGD, parse_ae, parse_power
 
 
 def parse(spec) -> Any:
-    """Reads a codec spec such as "int8", "int4:block=128:sr", "topk:0.01",
+    """Reads a codec spec such as "int8", "int4:block=128:sr", "nvfp4:rot", "topk:0.01",
     "powersgd:rank=4" or "ae:dim=32".
 
     Case-insensitive; surrounding whitespace is ignored. A codec object passes

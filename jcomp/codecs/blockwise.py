@@ -319,6 +319,12 @@ def _block_opt(block: int) -> str:
     return "" if block == DEFAULT_BLOCK else f"block={block}"
 
 
+def _codes_per_byte(codec) -> int:
+    """How many codes share a byte (int4 and the FP4 formats: 2): a fitted block
+    holds whole bytes of them."""
+    return 8 // getattr(codec, "bits", 8)
+
+
 def fit(codec, m: int):
     """`codec` for rows of m elements: a block quantizer whose block is longer
     than the row gets the shortest block that covers it (whole bytes of codes),
@@ -326,7 +332,7 @@ def fit(codec, m: int):
     block = getattr(codec, "block", None)
     if block is None or m >= block:
         return codec
-    per = 8 // codec.bits if isinstance(codec, IntQuant) else 1
+    per = _codes_per_byte(codec)
     if getattr(codec, "rot", False):  # the Hadamard transform needs a power of two
         return dataclasses.replace(codec, block=max(1 << (int(m) - 1).bit_length(), per))
     return dataclasses.replace(codec, block=max(-(-int(m) // per) * per, per))
@@ -344,14 +350,15 @@ def fit_row(codec, c: int):
         return fit(codec, c)
     if c % block == 0 or getattr(codec, "rot", False):
         return codec
-    per = 8 // codec.bits if isinstance(codec, IntQuant) else 1
+    per = _codes_per_byte(codec)
     nb = -(-int(c) // block)
     return dataclasses.replace(codec, block=-(-(-(-int(c) // nb)) // per) * per)
 
 
-def block_options(spec, opts, *, allow_sr: bool):
-    """Reads `block=N` and (if allowed) the flags `sr` and `rot`, each at most once."""
-    flags, block = ("sr", "rot") if allow_sr else (), DEFAULT_BLOCK
+def block_options(spec, opts, *, allow_sr: bool, default: int = DEFAULT_BLOCK):
+    """Reads `block=N` (else `default`) and (if allowed) the flags `sr` and `rot`,
+    each at most once."""
+    flags, block = ("sr", "rot") if allow_sr else (), default
     keys = [opt.partition("=")[0] for opt in opts]
     for opt, key in zip(opts, keys):
         if keys.count(key) > 1:

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 from jcomp.codecs.base import Cast, Identity
 from jcomp.codecs.blockwise import Fp8, IntQuant, block_options
+from jcomp.codecs.microscale import Mx, NvFp4
 from jcomp.codecs.sparse import RandK, TopK
 from jcomp.codecs.spec import _bad, _fraction_option
 
@@ -22,6 +23,13 @@ def byte_codec(spec: str, name: str, opts: list):
         block, sr, rot = block_options(spec, opts, allow_sr=True)  # its errors name the spec
         try:  # IntQuant refuses a rotation over a block that is no power of two
             return IntQuant(int(name[3:]), block, sr, rot)
+        except ValueError as e:
+            raise _bad(spec, str(e)) from None
+    if name in ("mxfp8", "mxfp4", "nvfp4"):
+        block, sr, rot = block_options(spec, opts, allow_sr=True,
+                                       default=16 if name == "nvfp4" else 32)
+        try:
+            return NvFp4(block, sr, rot) if name == "nvfp4" else Mx(int(name[4:]), block, sr, rot)
         except ValueError as e:
             raise _bad(spec, str(e)) from None
     if name == "fp8":
