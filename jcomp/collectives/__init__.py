@@ -27,7 +27,8 @@ from jcomp.collectives.ops import (  # noqa: F401
     copy_to_parallel, pmean, ppermute, psum, psum_ef, psum_scatter, psum_scatter_ef,
     parse, reduce_from_parallel, vary)
 from jcomp.collectives.jitgrad import gather_params, scatter_specs, value_and_grad  # noqa: F401
-from jcomp.collectives.hops import all_gather, pmean, psum, psum_scatter  # noqa: F401,F811
+from jcomp.collectives.hops import (  # noqa: F401,F811  (a codec per mesh axis)
+    all_gather, pmean, psum, psum_ef, psum_scatter)
 
 __all__ = [
     "psum", "pmean", "psum_scatter", "all_gather", "ppermute", "all_to_all",

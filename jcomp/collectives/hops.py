@@ -35,8 +35,9 @@ from jax import lax
 
 from jcomp.collectives import kernels, ops
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
+from jcomp.collectives.feedback import _check_residual as check_residual
 
-__all__ = ["psum", "pmean", "psum_scatter", "all_gather", "per_axis"]
+__all__ = ["psum", "pmean", "psum_scatter", "all_gather", "psum_ef", "per_axis"]
 
 
 def per_axis(codec, axes) -> dict | None:
@@ -337,3 +338,50 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     leaves, treedef = jax.tree.flatten(x)
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(leaves))]
     return jax.tree.unflatten(treedef, [one(leaf, k) for leaf, k in zip(leaves, keys)])
+
+
+def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
+            bucket_bytes=DEFAULT_BUCKET_BYTES):
+    """`ops.psum_ef` with a codec per axis (a dict): x + residual reduce-scattered
+    raw over the uncoded axes, the piece this device then holds sent with error
+    feedback over the coded axes, the sums gathered raw. The new residual is what
+    that piece lost, at the piece's place in a leaf of x's shape (zeros
+    elsewhere), so the next step's reduce-scatter hands it back to this device.
+    The coded axes must share one codec. Not differentiable."""
+    axes = kernels.axes_of(axis_name)
+    plan = _split(codec, None, axes)
+    if plan is None:
+        return ops.psum_ef(x, residual, axis_name, codec=codec, key=key, rows=rows,
+                           bucket_bytes=bucket_bytes)
+    raw, runs = plan
+    if len(runs) > 1:
+        raise ValueError(f"psum_ef: the coded axes {[g for _, _, g in runs]} have different "
+                         "codecs; error feedback per hop takes one codec for them")
+    check_residual("psum_ef", x, residual)
+    if not runs:
+        return (jax.tree.map(lambda a, r: lax.psum(a + r, axes), x, residual),
+                jax.tree.map(jnp.zeros_like, residual))
+    coded, fc = runs[0][2], runs[0][0]
+    n_raw = lax.axis_size(raw) if raw else 1
+    leaves, treedef = jax.tree.flatten(x)
+    res_leaves = treedef.flatten_up_to(residual)
+    pieces, layouts = [], []
+    for leaf, res in zip(leaves, res_leaves):
+        corrected = lax.stop_gradient(kernels.vary(leaf + res.astype(leaf.dtype), axes))
+        rows_RxC = _as_rows(corrected, n_raw, rows)
+        layouts.append((leaf.shape, leaf.dtype, rows_RxC.shape, res.dtype))
+        pieces.append(lax.psum_scatter(rows_RxC, raw, scatter_dimension=0, tiled=True)
+                      if raw else rows_RxC)
+    totals, lost = ops.psum_ef(pieces, [jnp.zeros_like(p) for p in pieces],
+                               coded if len(coded) > 1 else coded[0], codec=fc, key=key,
+                               rows=rows, bucket_bytes=bucket_bytes)
+    outs, news = [], []
+    for total, miss, (shape, dtype, full_shape, res_dtype) in zip(totals, lost, layouts):
+        if raw:
+            total = lax.all_gather(total, raw, axis=0, tiled=True, to="invarying")
+            start = lax.axis_index(raw) * miss.shape[0]
+            miss = lax.dynamic_update_slice_in_dim(
+                jnp.zeros(full_shape, miss.dtype), miss, start, axis=0)
+        outs.append(_from_rows(total, shape, dtype))
+        news.append(_from_rows(miss, shape, res_dtype))
+    return jax.tree.unflatten(treedef, outs), jax.tree.unflatten(treedef, news)
