@@ -110,9 +110,10 @@ def flat_group(length: int, codecs) -> tuple:
     shards are) share buckets coded in rows of one block, so each leaf starts
     on a block boundary and fills whole blocks; any other leaf is a row of its
     own (with leaves of its length: a short one gets one block that covers
-    it), and so is every leaf of a top-k or rand-k codec. Element-wise codecs
-    (casts) bucket freely."""
-    if any(c.kind == "sparse" for c in codecs):
+    it), and so is every leaf of a top-k or rand-k codec, or of a codec with a
+    scale per row (nvfp4: one per leaf, its per-tensor scale). Element-wise
+    codecs (casts) bucket freely."""
+    if any(c.kind == "sparse" or getattr(c, "row_scale", False) for c in codecs):
         return (length,)
     granule = math.lcm(*(c.row_multiple for c in codecs))
     if granule == 1:
@@ -276,6 +277,8 @@ def _view(codec, m: int, row=None) -> tuple:
     if row is not None:
         return (m // row, row)
     u = codec.row_multiple
+    if getattr(codec, "row_scale", False):  # rows of u would each carry a row scale
+        return (m,)
     return (m // u, u) if codec.kind == "dense" and u > 1 and m % u == 0 else (m,)
 
 

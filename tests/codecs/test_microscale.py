@@ -393,3 +393,84 @@ def test_integer_input_is_rejected():
     for spec in SPECS:
         with pytest.raises(TypeError, match=spec):
             codecs.parse(spec).encode(jnp.arange(12, dtype=jnp.int32))
+
+
+# ------------------------------------------------------ inside the collectives
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 2, 2), ("data", "tensor", "pipeline"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+
+
+EVERY = P(("data", "tensor", "pipeline"))
+ROWS, ROW = 4, 1024
+
+
+def _measure(mesh, fn, x):
+    body = jax.jit(jax.shard_map(lambda a: fn(a[0])[None], mesh=mesh, in_specs=EVERY,
+                                 out_specs=EVERY, check_vma=False))
+    return wire.measure(body, x, mesh=mesh)
+
+
+@pytest.mark.parametrize("spec,bits_per_element", [
+    ("mxfp8", 8.25), ("mxfp4:rot", 4.25), ("nvfp4", 4.5 + 32 / ROW)])
+def test_compiled_programs_send_the_formats_bits(mesh, spec, bits_per_element):
+    """all_gather and a psum over 2 devices (one gather of coded rows) of rows of
+    1024 float32: the bytes read from the compiled program are the format's bits
+    per element over 32, in uint8 collectives only. With rows="flat" the leaf is
+    one row of 4096: nvfp4 sends one row scale for it, not one per block."""
+    x = jax.device_put(jnp.asarray(_normal((8, ROWS, ROW))), NamedSharding(mesh, EVERY))
+    ops = {"all_gather": lambda c: (lambda a: cc.all_gather(a, "tensor", codec=c)),
+           "psum": lambda c: (lambda a: cc.vary(cc.psum(a, "data", codec=c), "data")),
+           "psum_flat": lambda c: (lambda a: cc.vary(cc.psum(a, "data", codec=c, rows="flat"),
+                                                     "data"))}
+    flat_bits = bits_per_element - (32 / ROW - 32 / (ROWS * ROW)) * spec.startswith("nvfp4")
+    for op, make in ops.items():
+        raw = _measure(mesh, make("none"), x).total()
+        report = _measure(mesh, make(spec), x)
+        assert {c.dtype for c in report.collectives} == {"u8"}, report.table()
+        want = flat_bits if op.endswith("flat") else bits_per_element
+        assert report.total() / raw * 32 == pytest.approx(want, rel=1e-9), (op, report.table())
+
+
+def test_a_call_the_codec_cannot_win_sends_raw(mesh):
+    """One float32 per device: nvfp4 would send a byte of codes, an E4M3 scale and
+    a float32 row scale, 6 bytes against 4. The psum sends lax's bytes, says so,
+    and equals lax.psum."""
+    x = jax.device_put(jnp.asarray(_normal((8, 1, 1))), NamedSharding(mesh, EVERY))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report = _measure(mesh, lambda a: cc.psum(a, "data", codec="nvfp4"), x)
+    assert any(issubclass(w.category, cc.RawSendWarning) for w in seen)
+    assert report.total() == _measure(mesh, lambda a: cc.psum(a, "data"), x).total()
+    assert any("raw" in note for note in report.notes), report.notes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cc.RawSendWarning)
+        ours, ref = (jax.jit(jax.shard_map(lambda a, c=c: cc.psum(a, "data", codec=c),
+                                           mesh=mesh, in_specs=EVERY, out_specs=EVERY,
+                                           check_vma=False))(x) for c in ("nvfp4", "none"))
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+
+
+@pytest.mark.parametrize("spec", ["mxfp4", "nvfp4:rot"])
+def test_psum_ef_sum_of_sent_rows_is_the_result(mesh, spec):
+    """Error feedback with a microscaling codec over 4 devices (owners form): the
+    result plus the residuals' sum equals the exact sum, to float32 rounding."""
+    x = _normal((8, ROWS, 256), seed=13)
+
+    def body(a):
+        out, res = cc.psum_ef(a[0], jnp.zeros_like(a[0]), ("data", "tensor"), codec=spec)
+        return out[None], res[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=EVERY, out_specs=(EVERY, EVERY),
+                               check_vma=False))
+    out, res = (np.asarray(a) for a in fn(jax.device_put(jnp.asarray(x),
+                                                          NamedSharding(mesh, EVERY))))
+    groups = x.reshape(2, 2, 2, ROWS, 256)   # (data, tensor, pipeline)
+    exact = groups.sum((0, 1))
+    res_sum = res.reshape(2, 2, 2, ROWS, 256).sum((0, 1))
+    got = out.reshape(2, 2, 2, ROWS, 256)[0, 0]
+    np.testing.assert_allclose(got + res_sum, exact, atol=1e-5 * np.abs(exact).max())
+    assert np.abs(got - exact).max() > 1e-3   # the codec is lossy: the check is not vacuous

@@ -18,6 +18,7 @@ from jcomp.meter import wire
 AXES = jmesh.AXES
 EVERY = P(AXES)  # one block per device along the leading dim
 CODECS = ["bf16", "fp16", "fp8", "int8", "int4", "int4:rot", "int2", "int8:sr",
+          "mxfp8", "mxfp4:rot", "nvfp4", pytest.param("nvfp4:sr:rot", marks=pytest.mark.slow),
           pytest.param("topk:0.25", marks=pytest.mark.slow),
           pytest.param("randk:0.5", marks=pytest.mark.slow)]
 PERM = ((0, 1), (1, 0))
@@ -240,7 +241,8 @@ def test_no_full_precision_collective_remains(mesh, codec, op):
     assert not big_float, report.table()
 
 
-@pytest.mark.parametrize("codec", ["bf16", "fp8", "int8", "int4", "int2", "topk:0.1"])
+@pytest.mark.parametrize("codec", ["bf16", "fp8", "int8", "int4", "int2", "topk:0.1", "mxfp4",
+                                   "nvfp4"])
 def test_nan_and_inf_propagate_and_zeros_stay_exact(mesh, codec):
     x = np.zeros((8, 1000), np.float32)
     x[:, 500:] = np.random.default_rng(0).normal(size=(8, 500))

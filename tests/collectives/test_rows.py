@@ -28,7 +28,10 @@ LENGTHS = (6, BLOCK, 40)  # shorter than, equal to and longer than a block
 LOSSY = ["bf16", "fp16", pytest.param(f"fp8:block={BLOCK}", marks=pytest.mark.slow),
          f"int8:block={BLOCK}", f"int4:block={BLOCK}", f"int2:block={BLOCK}",
          f"int8:block={BLOCK}:rot", pytest.param(f"int4:block={BLOCK}:sr:rot", marks=pytest.mark.slow),
-         pytest.param("topk:0.25", marks=pytest.mark.slow), "randk:0.5"]
+         pytest.param("topk:0.25", marks=pytest.mark.slow), "randk:0.5",
+         pytest.param(f"mxfp4:block={BLOCK}:rot", marks=pytest.mark.slow),
+         pytest.param("nvfp4", marks=pytest.mark.slow),
+         pytest.param("mxfp8:sr", marks=pytest.mark.slow)]
 PERM = ((0, 1), (1, 0))
 
 
@@ -138,7 +141,7 @@ def test_lossy_codecs_keep_rows_apart(mesh, codec):
     assert _leaks(mesh, codec, "independent", LENGTHS) == {}
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4:rot", "topk:0.01"])
+@pytest.mark.parametrize("codec", ["int8", "int4:rot", "topk:0.01", "mxfp4:rot", "nvfp4"])
 def test_default_blocks_keep_rows_apart_at_d128(mesh, codec):
     """configs/base.py's d_model: rows of 128 elements under the default block of 256."""
     assert _leaks(mesh, codec, "independent", (128,)) == {}
@@ -187,7 +190,7 @@ def _flat_run(mesh, op, codec, tree):
 
 
 @pytest.mark.parametrize("op", sorted(FLAT_OPS))
-@pytest.mark.parametrize("codec", ["int8", "int4:rot", "fp8", "topk:0.05"])
+@pytest.mark.parametrize("codec", ["int8", "int4:rot", "fp8", "topk:0.05", "nvfp4"])
 def test_flat_bucket_leaves_do_not_mix(mesh, op, codec):
     """Scaling one leaf of a flat bucket by 1000 on every device moves no element
     of the other leaves, bit for bit: no block, scale, rotation or top-k budget
