@@ -2,8 +2,8 @@
 compressed at a time, timed side by side with the baseline and the whole policy.
 
     python -m benchmarks.codec_time [--policy hybrid] [--shape 2,2,2] [--microbatches 2]
-                                    [--entries data.grad ...] [--repeats 11] [--json PATH]
-                                    [--flat-rows] [--quick]
+                                    [--entries data.grad ...] [--codecs int4 nvfp4 ...]
+                                    [--repeats 11] [--json PATH] [--flat-rows] [--quick]
                                     [--d-model 128 --layers 4 --heads 4 --seq 128 --batch 16]
 
 For each entry of the policy that compresses a message the step sends
@@ -15,6 +15,10 @@ ratio to the baseline, and the milliseconds it adds. On emulated CPU devices
 nothing crosses a wire, so what a row adds is the codec's own time (encode,
 decode, the float32 sums) and the extra collectives' rendezvous: the cost a
 fast link cannot pay back. The model and batch default to configs/base.py's.
+
+--codecs times each entry alone with each of these codecs instead of the
+policy's own (e.g. `--entries tensor.act --codecs int4 mxfp4 nvfp4`): codecs
+side by side on one message.
 
 --flat-rows adds the whole policy with its activation messages coded in flat
 blocks across tokens, as the step sent them before blocks were kept within a
@@ -40,6 +44,7 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 
 from benchmarks import parallel as bench_parallel  # noqa: E402
+from jcomp import codecs  # noqa: E402
 from jcomp.gpt import mesh as jmesh  # noqa: E402
 from jcomp.gpt import sharding  # noqa: E402
 from jcomp.gpt import policy as policy_lib  # noqa: E402
@@ -50,18 +55,23 @@ DEFAULTS = dict(repeats=11, d_model=128, layers=4, heads=4, d_ff=512, vocab=256,
 QUICK = dict(repeats=1, d_model=32, layers=2, heads=4, d_ff=64, vocab=64, seq=16, batch=8)
 
 
-def variants(pol: policy_lib.Policy, entries=None) -> dict:
+def variants(pol: policy_lib.Policy, entries=None, codec_list=None) -> dict:
     """{name: policy}: the baseline, the whole policy, and the baseline with each of
     the policy's compressing entries ("axis.kind"; None: all) alone, its
-    error-feedback switch kept."""
+    error-feedback switch kept; with `codec_list`, each wanted entry (None: the
+    policy's compressing ones) alone with each of those codecs."""
     base = policy_lib.preset("baseline")
     out = {"baseline": base, "whole policy": pol}
     for axis, kind in policy_lib.MESSAGES:
         codec = pol[axis, kind]
-        wanted = entries is None or f"{axis}.{kind}" in entries
-        if wanted and getattr(codec, "kind", None) != "identity":
-            out[f"only {axis}.{kind}={codec}"] = dataclasses.replace(
-                base.replace({f"{axis}.{kind}": codec}), error_feedback=pol.error_feedback)
+        wanted = f"{axis}.{kind}" in entries if entries is not None else \
+            getattr(codec, "kind", None) != "identity"
+        if not wanted:
+            continue
+        for c in codec_list or ([codec] if getattr(codec, "kind", None) != "identity" else []):
+            alone = base.replace({f"{axis}.{kind}": c})
+            out[f"only {axis}.{kind}={alone[axis, kind]}"] = dataclasses.replace(
+                alone, error_feedback=pol.error_feedback)
     return out
 
 
@@ -103,6 +113,8 @@ def parse_args(argv=None):
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--entries", nargs="+", metavar="AXIS.KIND",
                     help="time only these entries alone (default: every compressing one)")
+    ap.add_argument("--codecs", nargs="+", metavar="CODEC",
+                    help="time each entry alone with each of these codecs")
     ap.add_argument("--repeats", type=int, help="timed steps per variant (default 11)")
     bench_parallel.add_model_args(ap)
     ap.add_argument("--json", default="benchmarks/results/codec_time.json")
@@ -122,6 +134,11 @@ def parse_args(argv=None):
     for e in args.entries or ():
         if e not in known:
             ap.error(f"--entries: {e!r} names no message; allowed: {', '.join(known)}")
+    for c in args.codecs or ():
+        try:
+            codecs.parse(c)
+        except (ValueError, TypeError) as e:
+            ap.error(f"--codecs: {e}")
     args.model = bench_parallel.model_config(args, ap)
     try:
         sharding.check_layout(args.model, dict(zip(jmesh.AXES, args.shape)), args.batch,
@@ -135,7 +152,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = args.model
     tx, params, tokens_BxL1 = bench_parallel.inputs(cfg, args.batch, args.seq)
-    pols = variants(policy_lib.preset(args.policy), args.entries)
+    pols = variants(policy_lib.preset(args.policy), args.entries, args.codecs)
     flat = {"whole policy, flat blocks across tokens": pols["whole policy"]} if args.flat_rows \
         else {}
     built = [bench_parallel.compile_step(p, args.shape, args.microbatches, cfg, tx, params,

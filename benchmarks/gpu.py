@@ -1,7 +1,8 @@
 """Codec, collective and train-step speed on whatever accelerator JAX finds, in one call.
 
     pip install -e '.[cuda12]'          # on a GPU machine
-    python -m benchmarks.gpu [--sizes-mib 1 4 16 64 256] [--codecs bf16 fp8 int8 int4 int2 topk:0.01]
+    python -m benchmarks.gpu [--sizes-mib 1 4 16 64 256]
+        [--codecs bf16 fp8 int8 int4 int4:rot int2 mxfp8 mxfp4 mxfp4:rot nvfp4 topk:0.01]
         [--ops psum psum_scatter all_gather ppermute all_to_all] [--op-mib 64]
         [--config configs/base.py] [--policies baseline hybrid] [--train-steps 20]
         [--repeats 10] [--json benchmarks/results/gpu.json] [--tiny]
@@ -52,8 +53,9 @@ from jcomp.gpt import mesh as jmesh  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-DEFAULTS = dict(sizes_mib=[1, 4, 16, 64, 256], codecs=["bf16", "fp8", "int8", "int4", "int2",
-                                                         "topk:0.01"],
+DEFAULTS = dict(sizes_mib=[1, 4, 16, 64, 256],
+                codecs=["bf16", "fp8", "int8", "int4", "int4:rot", "int2", "mxfp8", "mxfp4",
+                        "mxfp4:rot", "nvfp4", "topk:0.01"],
                 ops=["psum", "psum_scatter", "all_gather", "ppermute", "all_to_all"], op_mib=64.0,
                 config="configs/base.py", policies=["baseline", "hybrid"], train_steps=20,
                 repeats=10)

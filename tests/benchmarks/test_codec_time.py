@@ -42,3 +42,19 @@ def test_an_entry_that_names_no_message_is_refused():
     proc = subprocess.run([sys.executable, *SCRIPT, "--quick", "--entries", "data.act"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--entries: 'data.act' names no message" in proc.stderr
+
+
+def test_codecs_time_each_entry_with_each_codec():
+    from benchmarks import codec_time
+    from jcomp.gpt import policy as policy_lib
+    got = codec_time.variants(policy_lib.preset("hybrid"), ["tensor.act"], ["int4", "nvfp4:rot"])
+    assert list(got) == ["baseline", "whole policy", "only tensor.act=int4",
+                         "only tensor.act=nvfp4:rot"], list(got)
+    assert str(got["only tensor.act=nvfp4:rot"]["tensor", "act"]) == "nvfp4:rot"
+    assert str(got["only tensor.act=int4"]["data", "grad"]) == "none"
+
+
+def test_a_codec_that_does_not_parse_is_refused():
+    proc = subprocess.run([sys.executable, *SCRIPT, "--quick", "--codecs", "mxfp6"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--codecs: invalid codec spec 'mxfp6'" in proc.stderr
