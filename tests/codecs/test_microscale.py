@@ -5,7 +5,6 @@ an E8M0 scale found by search. Then bytes, zeros, NaN/Inf, saturation,
 stochastic rounding, rotation, parsing, and the codecs inside the collectives:
 bytes in compiled programs, row-locality, raw sends and gradients."""
 import functools
-import math
 import warnings
 
 import jax
@@ -116,6 +115,10 @@ def test_mx_matches_the_numpy_reference_exactly(bits):
     assert got_scale[1, 0] == (1.0 if bits == 8 else 2.0**7)
 
 
+def _e4m3(codes):
+    return _cast(codes.view(ml_dtypes.float8_e4m3fn), np.float32)
+
+
 def _e8m0_values(codes):
     return _cast(codes.view(ml_dtypes.float8_e8m0fnu), np.float32)
 
@@ -138,7 +141,7 @@ def test_nvfp4_matches_the_numpy_reference():
     payload, y = _code("nvfp4", x)
     want, d, s, v, _ = _nvfp4_ref(x)
     np.testing.assert_array_equal(payload["row"], s)
-    np.testing.assert_array_equal(_cast(payload["scale"].view(ml_dtypes.float8_e4m3fn), np.float32), d)
+    np.testing.assert_array_equal(_e4m3(payload["scale"]), d)
     # The element codes may differ only where x / (d s) lies within float32
     # rounding of a tie between two E2M1 values (XLA may divide another way).
     mids = (E2M1_GRID[:-1] + E2M1_GRID[1:]) / 2
@@ -158,7 +161,7 @@ def test_nvfp4_saturates_where_the_block_scale_rounds_down():
     payload, y = _code("nvfp4", x)
     s = np.float32(1.0) / np.float32(2688.0)
     assert payload["row"][0, 0] == np.float32(1.0 / 2688.0)
-    assert _cast(payload["scale"].view(ml_dtypes.float8_e4m3fn), np.float32)[0, 1] == 16.0
+    assert _e4m3(payload["scale"])[0, 1] == 16.0
     assert y[0, 16] == np.float32(6 * np.float32(16 * s)) and y[0, 17] == -y[0, 16]
     assert y[0, 0] == 1.0
 
