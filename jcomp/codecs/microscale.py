@@ -83,16 +83,16 @@ def _stochastic_grid(mag, u, mbits: int, emin: int):
 
 
 def _element_codes(v, bits: int, u):
-    """Codes of scaled values v (float32, |v| <= the format's max, finite) in
-    E2M1 (bits=4) or E4M3 (bits=8), rounded to nearest or, given uniform draws
-    u, stochastically -> uint8."""
+    """Codes of scaled values v (float32, finite) in E2M1 (bits=4, as uint32) or
+    E4M3 (bits=8, as uint8), saturating at the format's largest value, rounded
+    to nearest or, given uniform draws u, stochastically."""
     mbits, emin, vmax = ELEMENTS[bits]
     mag = jnp.minimum(jnp.abs(v), vmax)  # saturate, as both formats define
     if u is not None:
         mag = _stochastic_grid(mag, u, mbits, emin)
     if bits == 8:
         return _e4m3_bits(jnp.where(v < 0, -mag, mag))
-    return (_e2m1_bits(mag) | jnp.where(v < 0, 8, 0).astype(jnp.uint32)).astype(jnp.uint8)
+    return _e2m1_bits(mag) | jnp.where(v < 0, 8, 0).astype(jnp.uint32)
 
 
 def _element_values(code, bits: int):
@@ -173,11 +173,22 @@ class _Microscaled:
         amax_RxNB = _block_absmax(x_RxNBxBL)
         scales, inv_RxNB = self._encode_scales(amax_RxNB)
         finite_RxNBx1 = jnp.isfinite(amax_RxNB)[..., None]
-        v = jnp.where(finite_RxNBx1, x_RxNBxBL * inv_RxNB[..., None], 0.0)
-        u = jax.random.uniform(key, v.shape, jnp.float32) if self.sr else None
-        codes_RxNBxBL = _element_codes(v, self.bits, u)
-        q = (_pack(codes_RxNBxBL, 4) if self.bits == 4
-             else codes_RxNBxBL.reshape(*codes_RxNBxBL.shape[:-2], -1))
+        u = jax.random.uniform(key, x_RxNBxBL.shape, jnp.float32) if self.sr else None
+
+        def codes(lo, hi):  # of elements [lo, hi) of every block
+            v = jnp.where(finite_RxNBx1, x_RxNBxBL[..., lo:hi] * inv_RxNB[..., None], 0.0)
+            return _element_codes(v, self.bits, None if u is None else u[..., lo:hi])
+
+        lead, bl = x_RxNBxBL.shape[:-2], self.block
+        if self.bits == 8:
+            q = codes(0, bl).reshape(*lead, -1)
+        elif bl % 2:
+            q = _pack(codes(0, bl).astype(jnp.uint8), 4)
+        else:
+            # blockwise._pack's layout (byte j of a block: codes j and j + BL/2),
+            # each half coded on its own: XLA:CPU ran one pass over whole blocks
+            # followed by the packing's slices 3.6x slower.
+            q = (codes(0, bl // 2) | (codes(bl // 2, bl) << 4)).astype(jnp.uint8).reshape(*lead, -1)
         return {"q": q, **scales}
 
     def decode_basis(self, payload: Payload):
