@@ -140,6 +140,12 @@ def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
     value_of = loss_fn if has_aux else lambda p, b: (loss_fn(p, b), ())
 
     def fn(params, batch, key=None):
+        if not jax.tree.leaves(batch):
+            raise ValueError(
+                "value_and_grad: the batch has no arrays; pass it as loss_fn's second "
+                "argument (loss_fn(params, batch)) so each rank gets its share. A loss that "
+                "closes over its batch (nanoDO's get_loss_fn(in_BxL, ...)) would run on the "
+                "whole batch on every rank: wrap it, lambda p, b: get_loss_fn(b, ...)(p)")
         specs = jitspecs.check(mesh, data_axes, params, param_specs, rules)
         leaves, treedef = jax.tree.flatten(params)
         outs = [jitspecs.scatter_spec(s, jnp.shape(x), data_axes, mesh.shape) if scatter else s

@@ -153,6 +153,8 @@ def test_bad_arguments_are_named(mesh):
         with pytest.raises(ValueError, match="param_specs=None reads|not boxed|names axes"):
             jax.jit(vg(param_specs=jax.tree.map(lambda s: P("tensor"), specs,
                                                 is_leaf=lambda x: isinstance(x, P))))(params, batch)
+    with pytest.raises(ValueError, match="the batch has no arrays; pass it as loss_fn's"):
+        jax.jit(vg(param_specs=specs))(params, None)
     with pytest.raises(TypeError, match="mean_over"):
         cc.value_and_grad(js.loss_fn, mesh=mesh, param_specs=specs)
     with pytest.raises(ValueError, match="mean_over must be 'examples', 'sum' or a function"):
