@@ -105,8 +105,9 @@ def _element_values(code, bits: int):
 def _e8m0_codes(amax, vmax: float):
     """The E8M0 code of the smallest power of two X with amax / X <= vmax: the
     block's largest element lands in the top binade without saturating. (OCP's
-    example conversion rounds the exponent down instead and saturates the top
-    quarter of E2M1's range; NVIDIA's MXFP8 recipe rounds up, as here.) Exact,
+    example conversion rounds the exponent down instead, so a scaled absmax
+    lies in [4, 8) and whatever lands above 6 saturates; NVIDIA's MXFP8 recipe
+    rounds up, as here.) Exact,
     on the float bits: amax = (1 + m) 2**e, vmax = (1 + f) 2**E, so X = 2**(e - E),
     doubled where m > f. Codes stay in [1, 254]: 2**-127 (code 0) is no normal
     float32. NaN/Inf amax: the NaN code."""
