@@ -40,17 +40,15 @@ forward and backward on their own and orders float operations its own way.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp.collectives import hops, jitspecs, kernels, ops
+from jcomp.collectives.constraints import batch_constraints
 from jcomp.collectives.jitspecs import scatter_specs  # noqa: F401  (public)
 
 __all__ = ["value_and_grad", "scatter_specs", "gather_params"]
@@ -171,7 +169,7 @@ def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
             in_specs=([jitspecs.only(s, data_axes) for s in specs], b_spec, P()),
             out_specs=(P(), [jitspecs.only(o, data_axes) for o in outs]),
             axis_names=frozenset(data_axes))
-        with _batch_constraints(data_axes, specs):
+        with batch_constraints(data_axes, specs):
             value, grads = outer(leaves, batch, k)
         return value, treedef.unflatten(grads)
 
@@ -401,78 +399,6 @@ def _combine(loss, aux, rules, axes, k):
     orig = jax.tree.leaves(aux)
     out = [v.astype(o.dtype) for v, o in zip(out, orig)]
     return summed[0], jax.tree.unflatten(jax.tree.structure(aux), out)
-
-
-# ------------------------------------------------------- sharding constraints
-
-_state = threading.local()
-
-
-@contextlib.contextmanager
-def _batch_constraints(data_axes, specs):
-    """While the per-rank program is traced, `jax.lax.with_sharding_constraint`
-    drops the batch axes (manual there) from each constraint, so a model's own
-    constraints (MaxText's activation rules, flax's boxes) hold as written for
-    the other axes. Raises where a constraint splits the batch dimension over an
-    automatic axis that also splits parameters: FSDP left to XLA inside the map,
-    a layout XLA's partitioner aborts on (an embedding gather), so it is named
-    before compiling."""
-    param_axes = set().union(*map(jitspecs.axes_in, specs)) if specs else set()
-    prev = getattr(_state, "axes", None)
-    _state.axes = (frozenset(data_axes), param_axes)
-    # Installed for the trace only. Other threads see a pass-through (the state
-    # is per thread); code that bound the function under another name before
-    # this call keeps lax's and raises JAX's own error on a batch axis.
-    installed = jax.lax.with_sharding_constraint
-    jax.lax.with_sharding_constraint = _constrain
-    try:
-        yield
-    finally:
-        jax.lax.with_sharding_constraint = installed
-        _state.axes = prev
-
-
-def _strip(spec, axes):
-    parts = []
-    for part in spec:
-        if part is None or part is P.UNCONSTRAINED:
-            parts.append(part)
-            continue
-        names = part if isinstance(part, tuple) else (part,)
-        kept = tuple(a for a in names if a not in axes)
-        parts.append(None if not kept else kept if len(kept) > 1 else kept[0])
-    return P(*parts)
-
-
-def _constrain(x, shardings):
-    state = getattr(_state, "axes", None)
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    if state is None or not manual & state[0]:
-        return _lax_constraint(x, shardings)
-    data_axes, param_axes = state
-
-    def fix(s):
-        spec = s.spec if isinstance(s, NamedSharding) else s
-        if not isinstance(spec, P):
-            return s
-        first = spec[0] if len(spec) else None
-        first = () if first is None or first is P.UNCONSTRAINED else (
-            first if isinstance(first, tuple) else (first,))
-        auto_fsdp = [a for a in first if a not in data_axes and a in param_axes]
-        if auto_fsdp:
-            raise ValueError(
-                f"a sharding constraint {spec} splits the batch over {auto_fsdp}, which "
-                f"param_specs also split parameters over (FSDP over a batch axis): pass "
-                f"data_axes={tuple(data_axes) + tuple(auto_fsdp)!r} to cc.value_and_grad, so "
-                "those parameters are gathered and their gradients reduce-scattered by jcomp "
-                "(XLA's partitioner aborts on an embedding gather left to it in this layout)")
-        return _strip(spec, manual)
-
-    return _lax_constraint(x, jax.tree.map(fix, shardings,
-                                           is_leaf=lambda s: isinstance(s, (NamedSharding, P))))
-
-
-_lax_constraint = lax.with_sharding_constraint
 
 
 def gather_params(shards, *, mesh, param_specs=None, rules=None, data_axes="data",
