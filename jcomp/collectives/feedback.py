@@ -77,6 +77,8 @@ def _ef(op, x, residual, axis_name, codec, key, rows, bucket_bytes, view, send, 
     c = kernels.parse(codec)
     axes = kernels.axes_of(axis_name)
     _check_residual(op, x, residual)
+    if c.kind != "identity":
+        kernels.check_floating(x, str(c))
     if c.kind == "identity" or lax.axis_size(axes) == 1:
         total = jax.tree.map(lambda a, r: exact(a + r), x, residual)
         return total, jax.tree.map(jnp.zeros_like, residual)

@@ -76,12 +76,7 @@ def psum(x, axis_name, *, codec="none", bwd_codec=None, key=None, rows="independ
         return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
     if axis_index_groups is not None:
         raise ValueError("axis_index_groups is not supported with a codec per axis")
-    for leaf in jax.tree.leaves(x):  # as ops: at every size
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-            raise TypeError(f"codec {dict(codec) if isinstance(codec, Mapping) else codec!r} "
-                            f"codes floating-point arrays; got a leaf of dtype "
-                            f"{jnp.result_type(leaf)} (send integer and boolean leaves with "
-                            "codec='none')")
+    kernels.check_floating(x, dict(codec) if isinstance(codec, Mapping) else codec)
     for c in (*fwd.values(), *bwd.values()):
         kernels.check_key(key, c)
     spec = _Spec(axes, tuple(fwd.items()), tuple(bwd.items()), rows, bucket_bytes,

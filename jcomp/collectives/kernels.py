@@ -56,6 +56,16 @@ def vary(x, axes):
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def check_floating(x, codec):
+    """A lossy codec codes floating-point leaves only: a TypeError for any other
+    leaf of `x`, at every size (not only where the codec would run)."""
+    for leaf in jax.tree.leaves(x):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(
+                f"codec {codec!r} codes floating-point arrays; got a leaf of dtype "
+                f"{jnp.result_type(leaf)} (send integer and boolean leaves with codec='none')")
+
+
 def axes_of(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 

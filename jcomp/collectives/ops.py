@@ -66,12 +66,7 @@ def _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups=None):
     axes = _axes(axis_name)
     if fwd.kind == "identity" and bwd.kind == "identity":
         return None
-    for leaf in jax.tree.leaves(x):  # at every size, not only where the codec would run
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-            raise TypeError(
-                f"codec {str(fwd if fwd.kind != 'identity' else bwd)!r} codes floating-point "
-                f"arrays; got a leaf of dtype {jnp.result_type(leaf)} (send integer and "
-                "boolean leaves with codec='none')")
+    kernels.check_floating(x, str(fwd if fwd.kind != "identity" else bwd))
     if axis_index_groups is not None:
         raise ValueError(
             f"axis_index_groups is not supported with codec {str(fwd)!r}; "

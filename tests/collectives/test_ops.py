@@ -520,7 +520,8 @@ def test_a_lossy_codec_refuses_integer_leaves_at_every_size(mesh, codec, n):
            lambda a, c: cc.psum_scatter(a, "data", tiled=True, codec=c),
            lambda a, c: cc.all_gather(a, "pipeline", tiled=True, codec=c),
            lambda a, c: cc.ppermute(a, "data", PERM, codec=c),
-           lambda a, c: cc.all_to_all(a, "data", 0, 0, tiled=True, codec=c)]
+           lambda a, c: cc.all_to_all(a, "data", 0, 0, tiled=True, codec=c),
+           lambda a, c: cc.psum_ef(a, jnp.zeros_like(a), "data", codec=c)[0]]
     for op in ops:
         for leaf in (x, x > 0):
             with pytest.raises(TypeError, match=rf"codec '{re.escape(codec)}' codes "
