@@ -101,7 +101,7 @@ PAPER_HYBRID = {"data.grad": "int4", "data.param": "int8", **_tp_act("int8")}
 # The settings the README's loss claims rest on, run at several seeds.
 SEED_RUNS = ("baseline", "naive", "hybrid_paper", "hybrid_grad_int8_tensor_ag_int4",
              "grad_int4_efoff", "grad_int4rot_efoff", "hybrid_rot4", "hybrid_rot4_grad_rot4",
-             "hybrid_rot4_pipe_int8")
+             "hybrid_rot4_pipe_int8", "mx_mxfp4rot", "mx_nvfp4", "mx_nvfp4rot")
 
 
 def run_specs() -> list[dict]:
@@ -178,6 +178,22 @@ def run_specs() -> list[dict]:
                      overrides={"data.param": "int8", "data.grad": "int4:rot",
                                 "tensor.act": "int4:rot", "tensor.act_grad": "int4:rot",
                                 "pipeline.act": "int8", "pipeline.act_grad": "int8"}))
+    # Microscaling formats on the 4-bit messages, at <= 1/6 of the baseline's
+    # bytes. All-MX: mxfp4 data gradients, mxfp4:rot tensor messages, mxfp8
+    # pipeline sends. NVFP4 (4.75 bits per element on rows of 128, with its
+    # f32 row scale, against int4:rot's 4.25) fits 1/6 only with the pipeline's
+    # backward sends in nvfp4 too; its two settings differ only in :rot.
+    runs.append(dict(name="mx_mxfp4rot", suite="variants", group="main", policy="baseline",
+                     error_feedback="off",
+                     overrides={"data.param": "int8", "data.grad": "mxfp4",
+                                "tensor.act": "mxfp4:rot", "tensor.act_grad": "mxfp4:rot",
+                                "pipeline.act": "mxfp8", "pipeline.act_grad": "mxfp8"}))
+    for name, fp4 in (("mx_nvfp4", "nvfp4"), ("mx_nvfp4rot", "nvfp4:rot")):
+        runs.append(dict(name=name, suite="variants", group="main", policy="baseline",
+                         error_feedback="off",
+                         overrides={"data.param": "int8", "data.grad": "int4:rot",
+                                    "tensor.act": fp4, "tensor.act_grad": fp4,
+                                    "pipeline.act": "int8", "pipeline.act_grad": "nvfp4"}))
     return runs
 
 
