@@ -164,8 +164,61 @@ def band_plot(groups, out_png: str, key: str = "loss") -> str:
     return out_png
 
 
-def draw(out: str, runs: list[dict], png: str = "seeds_loss.png") -> dict:
-    """The banded loss curves of every setting with >= 2 seeds -> {"seeds": png}."""
+def frontier(sts: list[dict]) -> list[dict]:
+    """The settings no other setting beats on both counts: none has at most its
+    bytes and a lower upper end of the gap's 95% interval. Settings with an
+    interval only (>= 2 paired seeds), by bytes."""
+    pts = [st for st in sts if st["name"] != "baseline" and st["gap_pct"]
+           and st["gap_pct"]["ci95"] and st["byte_ratio"] is not None]
+    hi = lambda st: st["gap_pct"]["ci95"][1]
+    return sorted((st for st in pts
+                   if not any(o is not st and o["byte_ratio"] <= st["byte_ratio"]
+                              and hi(o) < hi(st) for o in pts)),
+                  key=lambda st: st["byte_ratio"])
+
+
+def frontier_plot(sts: list[dict], out_png: str) -> str | None:
+    """Loss gap (mean, 95% interval as a bar) against bytes per step, one point
+    per setting with an interval; the target corner (gap's interval below +1%,
+    bytes <= 1/6) shaded, the frontier joined."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    pts = [st for st in sts if st["name"] != "baseline" and st["gap_pct"]
+           and st["gap_pct"]["ci95"] and st["byte_ratio"] is not None]
+    if not pts:
+        return None
+    fig = Figure(figsize=(9, 5.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for st in pts:
+        g = st["gap_pct"]
+        ax.errorbar([st["byte_ratio"]], [g["mean"]], capsize=3, fmt="o", markersize=4,
+                    yerr=[[g["mean"] - g["ci95"][0]], [g["ci95"][1] - g["mean"]]])
+        ax.annotate(f"{st['name']} (n={g['n']})", (st["byte_ratio"], g["mean"]), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    front = frontier(sts)
+    ax.plot([st["byte_ratio"] for st in front], [st["gap_pct"]["ci95"][1] for st in front],
+            "k--", linewidth=0.8, label="frontier (upper end of the 95% interval)")
+    ax.axhline(GAP_TARGET_PCT, color="grey", linewidth=0.8)
+    ax.axvline(BYTES_TARGET, color="grey", linewidth=0.8)
+    ax.fill_between([min(st["byte_ratio"] for st in pts) * 0.9, BYTES_TARGET],
+                    [GAP_TARGET_PCT] * 2, [ax.get_ylim()[0]] * 2, color="green", alpha=0.08,
+                    label="the rule's target: interval below +1% at <= 1/6 of the bytes")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per step, relative to the baseline's")
+    ax.set_ylabel("final val_loss gap to the baseline, % (mean, 95% interval)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100, format="png")
+    return out_png
+
+
+def draw(out: str, runs: list[dict], png: str = "seeds_loss.png",
+         frontier_png: str = "seeds_frontier.png") -> dict:
+    """The banded loss curves of every setting with >= 2 seeds and the gap
+    against bytes -> {"seeds": png, "frontier": frontier_png}."""
     by = {}
     for r in runs:
         by.setdefault(r["name"], []).append(os.path.join(ROOT, r["workdir"], metrics_lib.METRICS_FILE))
@@ -173,7 +226,10 @@ def draw(out: str, runs: list[dict], png: str = "seeds_loss.png") -> dict:
     if not groups:
         return {}
     band_plot(groups, os.path.join(out, png))
-    return {"seeds": png}
+    plots = {"seeds": png}
+    if frontier_plot(settings(runs), os.path.join(out, frontier_png)):
+        plots["frontier"] = frontier_png
+    return plots
 
 
 # ---------------------------------------------------------------- the page
@@ -227,11 +283,25 @@ def section(summary: dict, rel_dir: str, compressed_what, table) -> str:
         out[1] += (" val_loss is the exact forward's (every message uncompressed, as the "
                    "weights are used after training); the compressed-forward column is the "
                    "same weights through the setting's own forward codecs, where it has any.")
+    front = frontier(summary["settings"])
+    if front:
+        out += ["", "The frontier: the settings that no other beats on both bytes and the upper "
+                f"end of the gap's 95% interval, by bytes (the rule's target: below "
+                f"+{GAP_TARGET_PCT:g}% at no more than {BYTES_TARGET:.3f} of the bytes).", "",
+                table(["setting", "bytes vs baseline", "gap % (mean)", "gap 95% interval",
+                       "seeds", "meets the rule"],
+                      [[st["name"], f"{st['byte_ratio']:.3f}", f"{st['gap_pct']['mean']:+.2f}",
+                        _fmt_ci(st["gap_pct"]), str(st["gap_pct"]["n"]),
+                        "yes" if _meets(st) else "no"] for st in front])]
     for name, png in summary.get("plots", {}).items():
-        what = (f"the mean over seeds of each seed's running mean over {SMOOTH_STEPS} steps, "
-                "the band from the lowest seed to the highest, points the mean val_loss"
-                if name == "seeds" else f"seed {summary['seeds'][0]}'s runs")
-        out.append(f"\n![{name} loss curves]({rel_dir}/{png}) `{rel_dir}/{png}`: {what}.")
+        what = {"seeds": f"the mean over seeds of each seed's running mean over {SMOOTH_STEPS} "
+                         "steps, the band from the lowest seed to the highest, points the mean "
+                         "val_loss",
+                "frontier": "final val_loss gap against bytes per step, one point per setting, "
+                            "its 95% interval as a bar; the dashed line joins the frontier"
+                }.get(name, f"seed {summary['seeds'][0]}'s runs")
+        kind = "loss gap against bytes" if name == "frontier" else f"{name} loss curves"
+        out.append(f"\n![{kind}]({rel_dir}/{png}) `{rel_dir}/{png}`: {what}.")
     return "\n".join(out)
 
 

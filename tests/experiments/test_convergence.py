@@ -321,13 +321,14 @@ def test_seeds_pair_each_run_with_the_baseline_of_its_seed(tmp_path):
     assert d["seeds"] == [0, 1, 2] and d["mean"] == pytest.approx(1.0)
     assert seeds_lib.paired_difference(runs, "naive", "grad_int4_efoff") is None
     png = seeds_lib.draw(str(tmp_path), runs)
-    assert png == {"seeds": "seeds_loss.png"}
-    assert (tmp_path / "seeds_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png == {"seeds": "seeds_loss.png", "frontier": "seeds_frontier.png"}
+    for name in png.values():
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --summarize-only trains nothing and writes the same settings to summary.json.
     assert conv.main(["--suite", "seeds", "--steps", str(steps), "--seeds", "0", "--out",
                       str(tmp_path), "--summarize-only"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["seeds"] == [0, 1, 2] and summary["plots"] == {"seeds": "seeds_loss.png"}
+    assert summary["seeds"] == [0, 1, 2] and summary["plots"] == png
     got = {st["name"]: st for st in summary["settings"]}
     assert got["naive"]["gap_pct"]["mean"] == pytest.approx(1.0)
     assert not any((tmp_path / n).exists() for n in ("hybrid_paper-8steps-seed1", "baseline-8steps-seed3"))
@@ -359,6 +360,29 @@ def test_seed_claims_name_the_target_setting_and_the_rotation_verdict():
     summary["settings"] = [s for s in summary["settings"] if s["name"] != "hybrid_a"]
     assert "No setting has its gap's 95% interval below +1%" in "\n".join(
         seeds_lib.claims(summary, None))
+
+
+def test_the_frontier_keeps_the_settings_no_other_beats_on_bytes_and_interval():
+    def st(name, gaps, ratio):
+        return dict(name=name, byte_ratio=ratio, gap_pct=seeds_lib.mean_interval(gaps))
+
+    sts = [st("baseline", [0, 0], 1.0), st("cheap_bad", [5.0, 6.0, 7.0], 0.10),
+           st("mid_good", [0.4, 0.5, 0.6], 0.15), st("mid_worse", [1.0, 2.0, 3.0], 0.16),
+           st("dear_best", [-0.1, 0.0, 0.1], 0.25), st("one_seed", [0.0], 0.05)]
+    got = [s["name"] for s in seeds_lib.frontier(sts)]
+    # mid_worse has more bytes and a higher interval than mid_good; one seed has
+    # no interval and the baseline is the reference, not a point.
+    assert got == ["cheap_bad", "mid_good", "dear_best"]
+    text = seeds_lib.section(dict(model=dict(d_model=8, n_layers=1), steps=600, seeds=[0, 1, 2],
+                                  config="c", batch_size=2, seq_len=4, mesh=[2, 2, 2],
+                                  warmup_steps=1, plots={"frontier": "f.png"},
+                                  settings=[dict(s, seeds=[0, 1, 2], val_loss=s["gap_pct"],
+                                                 git_commits=["abc"]) for s in sts]),
+                             "results/x", lambda s: "-", report.table)
+    rows = text[text.index("| setting | bytes vs baseline |"):].splitlines()[2:5]
+    assert [r.split("|")[1].strip() for r in rows] == got
+    assert rows[1].split("|")[-2].strip() == "yes" and rows[2].split("|")[-2].strip() == "no"
+    assert "![loss gap against bytes](results/x/f.png)" in text
 
 
 def test_hybrid_preset_setting_matches_the_policy_table():
