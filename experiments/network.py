@@ -4,7 +4,7 @@ a private network namespace whose loopback is rate-limited by tc's token bucket.
     python -m experiments.network [--procs 2] [--config configs/base.py] [--steps 14]
         [--rates unthrottled 1gbit 300mbit 100mbit] [--policies baseline naive hybrid best]
         [--repeats 3] [--ttl-rate 100mbit] [--ttl-steps 28] [--out experiments/results/network.json]
-        [--set train.batch_size=16 ...] [--timeout 900]
+        [--set train.batch_size=16 ...] [--timeout 900] [--hops]
 
 Needs root and iproute2 (`ip`, `tc`); without them it prints one line and exits 2.
 With --procs 4 (2 devices each) the mesh's data axis must split across the
@@ -13,6 +13,17 @@ index: e.g. --set mesh.data=4 --set mesh.tensor=2 --set mesh.pipeline=1.
 The namespace (named jcnet-<pid>) holds only a loopback, so no byte can leave
 it; it is removed on every way out (done, error, Ctrl-C, SIGTERM), and one left
 behind by a killed run (its pid gone) is removed on the next start.
+
+--hops: two hops instead of one link. Each of the 2 processes runs in a
+namespace of its own (tools.netns.Pair), the two joined by a veth pair throttled
+at both ends; a process's own devices talk over its namespace's unthrottled
+loopback. Only what goes from one process to the other is throttled and
+counted: the slow hop between two nodes. Rows go to network_hops.json; the
+meter's bytes over the slow hop are its 'dcn' axis's where the run splits the
+data axis (mesh.dcn_data; the "perhop" policy), and the link's counters should
+carry them. Choose a mesh whose data axis has devices on both sides, e.g.
+--set mesh.data=4 --set mesh.tensor=2 --set mesh.pipeline=1: the tensor groups
+stay inside a process and the data axis has two ranks in each.
 
 Under gloo every collective crosses TCP, even between two devices of one
 process, so the whole mesh sits behind the throttled link and the kernel's byte
@@ -67,11 +78,12 @@ import sys
 import tempfile
 import time
 
-from tools.netns import PREFIX, Namespace, Unavailable, rate_bits, remove_stale  # noqa: F401
+from tools.netns import PREFIX, Namespace, Pair, Unavailable, rate_bits, remove_stale  # noqa: F401
 from tools.netns import _run, signals_deferred, unavailable_reason  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join("experiments", "results", "network.json")
+HOPS_OUT = os.path.join("experiments", "results", "network_hops.json")
 TOTAL_DEVICES = 8
 POLICIES = {  # name -> config.compression overrides
     "baseline": {"policy": "baseline"},
@@ -83,6 +95,10 @@ POLICIES = {  # name -> config.compression overrides
     # bytes: the paper's recipe with int8 gradients and int4 tensor act_grad.
     "best": {"policy": "hybrid_paper", "error_feedback": "off", "data.grad": "int8",
              "tensor.act_grad": "int4"},
+    # Per hop: the data axis split into a slow hop between the processes (dcn)
+    # and a fast one inside each; only what crosses the slow hop is coded.
+    "perhop": {"policy": "baseline", "mesh.dcn_data": "2", "dcn.grad": "int4:rot",
+               "dcn.param": "int8"},
 }
 
 
@@ -91,7 +107,8 @@ POLICIES = {  # name -> config.compression overrides
 def _flags(policy: str, overrides: dict) -> list[str]:
     out = []
     for key, value in POLICIES[policy].items():
-        out.append(f"--config.compression.{key}={value}")
+        section = "" if key.startswith("mesh.") else "compression."
+        out.append(f"--config.{section}{key}={value}")
     out += [f"--config.{k}={v}" for k, v in overrides.items()]
     return out
 
@@ -131,7 +148,7 @@ def launch(ns: Namespace, settings: dict, workdir: str, timeout: float, port: in
            f"--config.optim.warmup_steps={settings['warmup_steps']}",
            f"--config.checkpoint.every={settings['steps']}",
            *_flags(settings["policy"], settings["set"]),
-           f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={n}",
+           f"--coordinator_address={ns.coordinator_host}:{port}", f"--num_processes={n}",
            f"--cpu_devices={TOTAL_DEVICES // n}"]
     env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
     for name in ("JCOMP_COORDINATOR", "JCOMP_NUM_PROCESSES", "JCOMP_PROCESS_ID"):
@@ -145,7 +162,7 @@ def launch(ns: Namespace, settings: dict, workdir: str, timeout: float, port: in
         for i in range(n):
             log = open(os.path.join(workdir, f"process{i}.log"), "w")
             with signals_deferred():  # a signal inside Popen would lose the child
-                procs.append(subprocess.Popen(ns.exec_args(cmd + [f"--process_id={i}"]),
+                procs.append(subprocess.Popen(ns.exec_args(cmd + [f"--process_id={i}"], process=i),
                                               cwd=ROOT, env=env, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
@@ -218,6 +235,10 @@ def summarize(raw: dict, warm_steps: int) -> dict:
                                if k.startswith("wire_bytes_")},
         collectives_per_step=static.get("wire_collectives"),
         meter_bytes_per_step=meter, kernel_bytes_per_step=kernel,
+        # With two hops (--hops) the link carries the slow hop only: the meter's
+        # 'dcn' bytes where the mesh has that axis.
+        meter_slow_hop_bytes_per_step=(float(static["wire_bytes_dcn"]) * devices
+                                       if "wire_bytes_dcn" in static else None),
         kernel_over_meter=kernel / meter if kernel is not None and meter else None,
         kernel_bytes_by_step=dict(zip(map(str, window), deltas)),
         kernel_packets_per_step=per_packet, header_bytes_per_packet=raw["header_bytes"],
@@ -246,7 +267,7 @@ def git_commit() -> tuple[str, bool]:
 def plan(args) -> list[dict]:
     """Every row's settings, sweep rows first, then the time-to-loss rows."""
     common = dict(procs=args.procs, config=args.config, warmup_steps=args.warmup_steps,
-                  set=dict(args.set))
+                  set=dict(args.set), **({"hops": True} if args.hops else {}))
     rows = [dict(common, kind="sweep", rate=r, policy=p, steps=args.steps, eval_every=args.steps,
                  repeat=i)
             for i in range(args.repeats) for r in args.rates for p in args.policies]
@@ -331,7 +352,7 @@ def sweep(args) -> int:
     failed = 0
     remove_stale()
     os.makedirs(args.workroot, exist_ok=True)
-    with Namespace() as ns:
+    with (Pair() if args.hops else Namespace()) as ns:
         for n, settings in enumerate(todo):
             ns.set_rate(settings["rate"])
             workdir = tempfile.mkdtemp(prefix=f"{settings['policy']}-", dir=args.workroot)
@@ -351,6 +372,8 @@ def sweep(args) -> int:
                 r["settings"] == settings and (r.get("commit") == commit or "error" in r))] + [row]
             data["warm_steps"] = args.warm_steps
             data["ttl"] = time_to_target(data["rows"], args.ttl_rate) if args.ttl_rate else None
+            if data["ttl"]:
+                data.setdefault("ttl_by_rate", {})[args.ttl_rate] = data["ttl"]
             _save(args.out, data)
             print(f"[{n + 1}/{len(todo)}] {_line(row)}", flush=True)
     ttl = data.get("ttl")
@@ -426,12 +449,19 @@ def parse_args(argv):
     p.add_argument("--port", type=int, default=23456, help="first coordinator port (in the namespace)")
     p.add_argument("--xla-flags", default="", help="XLA_FLAGS of the train.py processes")
     p.add_argument("--workroot", default=os.path.join(tempfile.gettempdir(), "jcomp-network"))
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--out", default=None, help=f"default {DEFAULT_OUT}, with --hops {HOPS_OUT}")
+    p.add_argument("--hops", action="store_true",
+                   help="two namespaces, one per process, joined by a throttled veth: only "
+                        "traffic between the processes is throttled (needs --procs 2)")
     p.add_argument("--count-collectives", action="store_true",
                    help="only add collectives_per_step to the rows of --out that lack it")
     args = p.parse_args(argv)
     if args.procs not in (2, 4):
         p.error(f"--procs must be 2 or 4; got {args.procs}")
+    if args.hops and args.procs != 2:
+        p.error(f"--hops runs one process per namespace, two namespaces: --procs must be 2; "
+                f"got {args.procs}")
+    args.out = args.out or (HOPS_OUT if args.hops else DEFAULT_OUT)
     for name in ("steps", "repeats", "ttl_eval_every", "timeout"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0; got {getattr(args, name)}")

@@ -1,11 +1,20 @@
-"""A private network namespace holding only a loopback, throttled by tc's token
-bucket filter: the link of experiments/network.py.
+"""Private network namespaces throttled by tc's token bucket filter: the links of
+experiments/network.py.
 
     with Namespace() as ns:                 # ip netns add jcnet-<pid>; lo up
         ns.set_rate("100mbit")              # tc qdisc replace dev lo root tbf ...
         subprocess.run(ns.exec_args([...])) # a command inside it
         ns.counters()                       # (bytes, packets, TCP retransmissions) on lo
                                             # leaving the block: ip netns del, always
+
+    with Pair() as pair:                    # two namespaces joined by a veth pair
+        pair.set_rate("100mbit")            # tbf on both veth ends: the slow hop only
+        pair.exec_args([...], process=1)    # process i runs in namespace i
+        pair.counters()                     # what crossed the veth, both directions
+
+A Pair is two hops: each namespace's own loopback stays unthrottled (a
+process's devices talk over it), and only what goes from one process to the
+other crosses the throttled veth.
 """
 from __future__ import annotations
 
@@ -14,6 +23,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -93,9 +103,10 @@ def _alive(pid: int) -> bool:
 def remove_stale():
     """Removes namespaces this script made in runs that were killed (pid gone)."""
     out = _run("ip", "netns", "list", check=False).stdout
-    for name in re.findall(rf"^({PREFIX}(\d+))\b", out, re.M):
+    for name in re.findall(rf"^({PREFIX}(\d+)(?:-[01])?)\b", out, re.M):
         if not _alive(int(name[1])):
             _run("ip", "netns", "del", name[0], check=False)
+            shutil.rmtree(os.path.join(_ETC_NETNS, name[0]), ignore_errors=True)
 
 
 class Namespace:
@@ -125,8 +136,11 @@ class Namespace:
             raise
         return self
 
-    def exec_args(self, argv):
+    def exec_args(self, argv, process: int = 0):
+        """`argv` inside the namespace (every process in the same one)."""
         return ["ip", "netns", "exec", self.name, *argv]
+
+    coordinator_host = "127.0.0.1"
 
     def set_rate(self, rate: str):
         """tbf on the namespace's loopback at `rate`, or no qdisc for 'unthrottled'."""
@@ -174,3 +188,114 @@ class Namespace:
         if self.name in _run("ip", "netns", "list", check=False).stdout.split():
             print(f"network.py: warning: namespace {self.name} still listed; remove it with "
                   f"`ip netns del {self.name}`", file=sys.stderr)
+
+
+# `ip netns exec NAME` bind-mounts the files of /etc/netns/NAME over /etc: a
+# hosts file there makes the machine's hostname resolve, inside NAME, to that
+# namespace's veth address, which gloo then advertises to its peers (outside,
+# the hostname resolves to 127.0.0.1, which a peer in another namespace cannot
+# reach).
+_ETC_NETNS = "/etc/netns"
+_SUBNET = "10.213.0"  # a /30 that exists only on the veth between the two namespaces
+
+
+class Pair:
+    """Two namespaces, one per process, joined by a veth pair whose two ends are
+    throttled: the slow hop between two nodes; each namespace's loopback is the
+    fast hop inside one. Removed on exit, whatever happens."""
+
+    def __init__(self, name: str | None = None):
+        base = name or f"{PREFIX}{os.getpid()}"
+        self.names = (f"{base}-0", f"{base}-1")
+        self.name = base
+        self.veths = tuple(f"jcv{os.getpid() % 10**7}{i}" for i in (0, 1))
+        self.addresses = tuple(f"{_SUBNET}.{i + 1}" for i in (0, 1))
+        self.coordinator_host = self.addresses[0]
+        self._probes = []
+
+    def __enter__(self):
+        try:
+            for ns in self.names:
+                proc = _run("ip", "netns", "add", ns, check=False)
+                if proc.returncode:
+                    raise Unavailable(f"ip netns add {ns}: {proc.stderr.strip() or 'failed'}")
+            # Made inside the namespaces, so no end ever sits in the caller's.
+            _run("ip", "link", "add", self.veths[0], "netns", self.names[0], "type", "veth",
+                 "peer", "name", self.veths[1], "netns", self.names[1])
+            host = socket.gethostname()
+            for ns, veth, addr in zip(self.names, self.veths, self.addresses):
+                _run("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", veth)
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                _run("ip", "-n", ns, "link", "set", veth, "up")
+                os.makedirs(os.path.join(_ETC_NETNS, ns), exist_ok=True)
+                with open(os.path.join(_ETC_NETNS, ns, "hosts"), "w") as f:
+                    f.write(f"127.0.0.1 localhost\n{addr} {host}\n")
+                with signals_deferred():
+                    self._probes.append(subprocess.Popen(
+                        ["ip", "netns", "exec", ns, "sleep", "infinity"], start_new_session=True))
+            for _ in range(100):
+                if all(self._line(i) is not None for i in (0, 1)):
+                    break
+                time.sleep(0.02)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def exec_args(self, argv, process: int = 0):
+        """`argv` in namespace `process` (0 or 1)."""
+        return ["ip", "netns", "exec", self.names[process], *argv]
+
+    def set_rate(self, rate: str):
+        """tbf on both veth ends (each throttles what leaves through it), or none."""
+        for ns, veth in zip(self.names, self.veths):
+            if rate_bits(rate) is None:
+                _run("tc", "-n", ns, "qdisc", "del", "dev", veth, "root", check=False)
+            else:
+                _run("tc", "-n", ns, "qdisc", "replace", "dev", veth, "root", "tbf",
+                     "rate", rate, *TBF)
+
+    def qdisc(self) -> str:
+        return " / ".join(_run("tc", "-n", ns, "qdisc", "show", "dev", veth).stdout.strip()
+                          for ns, veth in zip(self.names, self.veths))
+
+    def _line(self, i):
+        try:
+            with open(f"/proc/{self._probes[i].pid}/net/dev") as f:
+                return next((l for l in f if l.strip().startswith(self.veths[i] + ":")), None)
+        except (OSError, IndexError):
+            return None
+
+    def counters(self) -> tuple[int, int, int]:
+        """(bytes, packets, TCP segments retransmitted) that crossed the veth so
+        far, both directions: what each end received."""
+        total, packets, retrans = 0, 0, 0
+        for i in (0, 1):
+            line = self._line(i)
+            if line is None:
+                raise RuntimeError(f"cannot read the counters of {self.veths[i]} in {self.names[i]}")
+            fields = line.split(":", 1)[1].split()
+            total, packets = total + int(fields[0]), packets + int(fields[1])
+            with open(f"/proc/{self._probes[i].pid}/net/snmp") as f:
+                names, values = [l.split() for l in f if l.startswith("Tcp:")][:2]
+            retrans += int(values[names.index("RetransSegs")])
+        return total, packets, retrans
+
+    def header_bytes(self) -> int:
+        """Ethernet 14, IPv4 20, TCP 20, and 12 for timestamps where enabled."""
+        out = _run(*self.exec_args(["cat", "/proc/sys/net/ipv4/tcp_timestamps"])).stdout
+        return 54 + (12 if out.strip() != "0" else 0)
+
+    def __exit__(self, *exc):
+        for p in self._probes:
+            p.kill()
+            p.wait()
+        self._probes = []
+        for ns in self.names:  # deleting a namespace deletes its veth end, and so the pair
+            _run("ip", "netns", "del", ns, check=False)
+            shutil.rmtree(os.path.join(_ETC_NETNS, ns), ignore_errors=True)
+        listed = _run("ip", "netns", "list", check=False).stdout.split()
+        for ns in self.names:
+            if ns in listed:
+                print(f"network.py: warning: namespace {ns} still listed; remove it with "
+                      f"`ip netns del {ns}`", file=sys.stderr)

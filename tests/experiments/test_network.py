@@ -188,7 +188,9 @@ def test_an_interrupted_sweep_kills_its_runs_and_removes_its_namespace(tmp_path,
 class _SleepNamespace:
     """Stands in for netns.Namespace: each command is a `sleep`, so nothing is sent."""
 
-    def exec_args(self, argv):
+    coordinator_host = "127.0.0.1"
+
+    def exec_args(self, argv, process=0):
         return ["sleep", "30"]
 
     def counters(self):
