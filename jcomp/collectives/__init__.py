@@ -10,7 +10,9 @@ codec's payload (`kernels`), or the raw operand, with a warning, where the codec
 cannot send fewer bytes. Gradients come from one `custom_vjp` factory
 (`ops._coded`): the transpose of the lax op, sent with `bwd_codec`. Results are
 named `REMAT_NAMES[op]` for remat policies. `value_and_grad` (`jitgrad`) brings
-the gradient reduction of a `jax.jit` program without shard_map here.
+the gradient reduction of a `jax.jit` program without shard_map here;
+`outer_init` / `outer_sync` (`outer`) DiLoCo's outer step, for islands that
+sync every H steps across a slow link.
 
 `rows` says what a lossy codec may mix. "independent" (the default): every
 vector along a leaf's last axis (one token's features) is coded on its own, so
@@ -29,10 +31,12 @@ from jcomp.collectives.ops import (  # noqa: F401
 from jcomp.collectives.jitgrad import gather_params, scatter_specs, value_and_grad  # noqa: F401
 from jcomp.collectives.hops import (  # noqa: F401,F811  (a codec per mesh axis)
     all_gather, pmean, psum, psum_ef, psum_scatter)
+from jcomp.collectives.outer import OuterState, outer_init, outer_sync  # noqa: F401
 
 __all__ = [
     "psum", "pmean", "psum_scatter", "all_gather", "ppermute", "all_to_all",
     "copy_to_parallel", "reduce_from_parallel", "psum_ef", "psum_scatter_ef", "vary",
     "value_and_grad", "scatter_specs", "gather_params",
+    "outer_init", "outer_sync", "OuterState",
     "REMAT_NAMES", "DEFAULT_BUCKET_BYTES", "RAW_SCOPE", "RawSendWarning", "ROWS",
 ]

@@ -1,0 +1,250 @@
+"""cc.outer_init / cc.outer_sync (jcomp/collectives/outer.py): DiLoCo's outer
+step in a jax.jit program. A two-layer MLP trains as 2 islands over mesh axis
+"dcn" (each island's batch split over "data", 4 devices), the inner step a
+jax.vmap over the islands inside jax.jit; the sync averages the islands'
+pseudo-gradients across "dcn" with a codec. Bytes are read from the compiled
+programs (jcomp.meter.wire)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jcomp import collectives as cc
+from jcomp.meter import wire
+
+ISLANDS, D, HID, OUT, BATCH = 2, 32, 128, 64, 16
+ULP = np.finfo(np.float32).eps
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((ISLANDS, 4), ("dcn", "data"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _loss(p, x_BxD, y_BxO):
+    h_BxH = jnp.tanh(x_BxD @ p["w1"] + p["b1"])
+    return jnp.mean((h_BxH @ p["w2"] - y_BxO) ** 2)
+
+
+def _params(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"w1": jax.random.normal(k1, (D, HID)) / np.sqrt(D), "b1": jnp.zeros((HID,)),
+            "w2": jax.random.normal(k2, (HID, OUT)) / np.sqrt(HID)}
+
+
+def _batches(mesh, steps, seed=1):
+    """[steps] of (x_IxBxD, y_IxBxO), each island's batch split over "data"."""
+    rng = np.random.default_rng(seed)
+    teacher = rng.standard_normal((D, OUT)).astype(np.float32)
+    out = []
+    for _ in range(steps):
+        x = rng.standard_normal((ISLANDS, BATCH, D)).astype(np.float32)
+        split = NamedSharding(mesh, P("dcn", "data"))
+        out.append((jax.device_put(x, split), jax.device_put(np.sin(x @ teacher), split)))
+    return out
+
+
+@functools.cache
+def _inner(tx):
+    """The islands' inner step: one optax step per island, vmapped over I."""
+    def one(p, o, x, y):
+        loss, g = jax.value_and_grad(_loss)(p, x, y)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+    return jax.jit(jax.vmap(one))
+
+
+@functools.cache
+def _sync(mesh, tx, codec, rows="flat"):
+    return jax.jit(functools.partial(cc.outer_sync, tx=tx, mesh=mesh, axis="dcn", codec=codec,
+                                     rows=rows))
+
+
+def _start(mesh, inner_tx, outer_tx, error_feedback=False):
+    params = jax.device_put(_params(), NamedSharding(mesh, P()))
+    params_IxX, state = jax.jit(functools.partial(
+        cc.outer_init, tx=outer_tx, mesh=mesh, axis="dcn", error_feedback=error_feedback))(params)
+    return params_IxX, jax.jit(jax.vmap(inner_tx.init))(params_IxX), state
+
+
+def _train(mesh, params_IxX, opt_IxX, batches, inner_tx):
+    step = _inner(inner_tx)
+    for x, y in batches:
+        params_IxX, opt_IxX, loss = step(params_IxX, opt_IxX, x, y)
+        loss.block_until_ready()  # emulated devices deadlock on queued collectives
+    return params_IxX, opt_IxX
+
+
+def _np(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def test_h1_none_is_every_step_sgd(mesh):
+    """H=1, codec "none", outer lr 1, no momentum: with SGD inside, every sync
+    lands where one data-parallel SGD step on both islands' batches lands.
+    Not bitwise: the sync forms anchor - params, averages and subtracts, three
+    float32 roundings per step where the plain step has one; bound 8 ulp of the
+    leaf's largest value per step taken (seen: at most 2.6 ulp after 2 steps)."""
+    inner_tx, outer_tx = optax.sgd(0.1), optax.sgd(1.0)
+    params_IxX, opt_IxX, state = _start(mesh, inner_tx, outer_tx)
+    sync = _sync(mesh, outer_tx, "none")
+    batches = _batches(mesh, 3)
+    ref = _params()
+    plain = jax.jit(lambda p, x, y: jax.tree.map(
+        lambda a, g: a - 0.1 * g, p, jax.grad(lambda q: jnp.mean(jax.vmap(
+            _loss, in_axes=(None, 0, 0))(q, x, y)))(p)))
+    for t, batch in enumerate(batches, 1):
+        params_IxX, opt_IxX = _train(mesh, params_IxX, opt_IxX, [batch], inner_tx)
+        params_IxX, state = sync(params_IxX, state)
+        ref = plain(ref, *batch)
+        for k, r in _np(ref).items():
+            got = np.asarray(params_IxX[k])
+            assert np.array_equal(got[0], got[1])
+            assert np.abs(got[0] - r).max() <= 8 * t * ULP * np.abs(r).max(), k
+
+
+def test_sync_is_the_mean_of_the_islands(mesh):
+    """H=3, Adam inside, codec "none", outer lr 1, no momentum: the sync is the
+    mean of the islands' parameters to 2 ulp of the leaf's largest |anchor| or
+    |params| (three roundings of half an ulp; dividing by 2 islands is exact;
+    seen: 0.1 ulp), every island then holds it (bitwise the same), and the anchor is
+    it. The inner steps send nothing across "dcn"."""
+    inner_tx, outer_tx = optax.adam(1e-2), optax.sgd(1.0)
+    params_IxX, opt_IxX, state = _start(mesh, inner_tx, outer_tx)
+    batches = _batches(mesh, 3)
+    params_IxX, opt_IxX = _train(mesh, params_IxX, opt_IxX, batches, inner_tx)
+    before, anchor = _np(params_IxX), _np(state.anchor)
+    assert not np.array_equal(before["w1"][0], before["w1"][1])  # the islands differ
+    after, state = _sync(mesh, outer_tx, "none")(params_IxX, state)
+    for k, p in before.items():
+        got = np.asarray(after[k])
+        scale = max(np.abs(p).max(), np.abs(anchor[k]).max())
+        assert np.abs(got[0] - p.mean(0)).max() <= 2 * ULP * scale, k
+        assert np.array_equal(got[0], got[1]) and np.array_equal(got[0], state.anchor[k])
+    inner = wire.measure(_inner(inner_tx), params_IxX, opt_IxX, *batches[0], mesh=mesh)
+    assert inner.by_axis().get("dcn", 0) == 0, inner.table()
+    assert inner.by_axis()["data"] > 0
+
+
+def _diverged(mesh, inner_tx, outer_tx, error_feedback=False, steps=3):
+    params_IxX, opt_IxX, state = _start(mesh, inner_tx, outer_tx, error_feedback)
+    params_IxX, _ = _train(mesh, params_IxX, opt_IxX, _batches(mesh, steps), inner_tx)
+    return params_IxX, state
+
+
+@pytest.mark.parametrize("codec,bound,ratio", [("int8", 0.02, 0.26), ("int4:rot", 0.15, 0.14)])
+def test_coded_sync_is_the_exact_one_within_the_codec(mesh, codec, bound, ratio):
+    """DiLoCo's outer step (Nesterov SGD, lr 0.7, momentum 0.9) with a coded
+    pseudo-gradient: every island holds bitwise the same parameters, within the
+    codec's relative L2 error (`bound`, of the largest island's pseudo-gradient
+    per leaf; seen: int8 0.003, int4:rot 0.09) times lr (1 + momentum), the first
+    Nesterov step's factor, of the exact step; "dcn" carries at most `ratio` of
+    the uncoded sync's bytes (seen: int8 0.254, int4:rot 0.129), and the coded
+    sync sends nothing over another axis."""
+    lr, mom = 0.7, 0.9
+    inner_tx, outer_tx = optax.adam(1e-2), optax.sgd(lr, momentum=mom, nesterov=True)
+    params_IxX, state = _diverged(mesh, inner_tx, outer_tx)
+    exact, _ = _sync(mesh, outer_tx, "none")(params_IxX, state)
+    coded, _ = _sync(mesh, outer_tx, codec)(params_IxX, state)
+    for k, p in _np(params_IxX).items():
+        got, ref = np.asarray(coded[k]), np.asarray(exact[k])
+        assert np.array_equal(got[0], got[1]), k
+        delta = np.asarray(state.anchor[k])[None] - p
+        largest = max(np.linalg.norm(d) for d in delta)
+        err = np.linalg.norm(got[0] - ref[0]) / (lr * (1 + mom) * largest)
+        assert err <= bound, (k, err)
+    r_none = wire.measure(_sync(mesh, outer_tx, "none"), params_IxX, state, mesh=mesh).by_axis()
+    r_coded = wire.measure(_sync(mesh, outer_tx, codec), params_IxX, state, mesh=mesh).by_axis()
+    assert set(r_coded) == {"dcn"}, r_coded
+    assert r_coded["dcn"] <= ratio * r_none["dcn"], (r_coded, r_none)
+
+
+def test_error_feedback_keeps_what_topk_dropped(mesh):
+    """topk:0.03 with error feedback: each island sends its pseudo-gradient plus
+    its residual with all but 3% of each leaf zeroed and keeps the rest, bit for
+    bit (sent + new residual = pseudo-gradient + old residual), and the anchor
+    moves by the mean of what was sent (lr 1, no momentum; to 2 ulp). At the
+    second sync the first one's residual travels too."""
+    inner_tx, outer_tx = optax.adam(1e-2), optax.sgd(1.0)
+    params_IxX, opt_IxX, state = _start(mesh, inner_tx, outer_tx, error_feedback=True)
+    sync = _sync(mesh, outer_tx, "topk:0.03")
+    batches = _batches(mesh, 4)
+    for part in (batches[:2], batches[2:]):
+        params_IxX, opt_IxX = _train(mesh, params_IxX, opt_IxX, part, inner_tx)
+        before, old = _np(params_IxX), _np(state)
+        params_IxX, state = sync(params_IxX, state)
+        for k, p in before.items():
+            corrected = (old.anchor[k][None] - p) + old.residual[k]
+            res = np.asarray(state.residual[k])
+            sent = corrected - res
+            kept = sent != 0
+            assert np.array_equal(res[kept], np.zeros_like(res[kept])), k
+            assert np.array_equal(res[~kept], corrected[~kept]), k
+            per_island = kept.reshape(ISLANDS, -1).sum(1)
+            assert (per_island >= 1).all() and (per_island <= np.ceil(0.03 * p[0].size)).all()
+            moved = old.anchor[k] - np.asarray(state.anchor[k])
+            scale = max(np.abs(old.anchor[k]).max(), np.abs(state.anchor[k]).max())
+            assert np.abs(moved - sent.mean(0)).max() <= 2 * ULP * scale, k
+        assert np.abs(np.asarray(state.residual["w1"])).max() > 0
+
+
+@pytest.mark.parametrize("rows", ["independent", "flat"])
+def test_a_row_changes_only_what_it_may(mesh, rows):
+    """int4:rot, DiLoCo's outer step. rows="independent": changing one row (a
+    vector along the last axis) of one island's w1 changes that row of the
+    result only. rows="flat": it changes w1 only. Everything else bit for bit."""
+    outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    params_IxX, state = _diverged(mesh, optax.adam(1e-2), outer_tx)
+    sync = _sync(mesh, outer_tx, "int4:rot", rows)
+    base, _ = sync(params_IxX, state)
+    w1 = np.asarray(params_IxX["w1"]).copy()
+    w1[1, 5] += 10.0 * np.abs(w1).max()
+    moved = dict(params_IxX, w1=jax.device_put(w1, params_IxX["w1"].sharding))
+    got, _ = sync(moved, state)
+    for k in base:
+        a, b = np.asarray(base[k]), np.asarray(got[k])
+        if k != "w1":
+            assert np.array_equal(a, b), k
+            continue
+        changed = np.any(a != b, axis=(0, 2))
+        assert changed[5]
+        if rows == "independent":
+            assert not changed[np.arange(D) != 5].any(), np.flatnonzero(changed)
+
+
+def test_bad_arguments_are_named(mesh):
+    tx = optax.sgd(1.0)
+    params = _params()
+    params_IxX = jax.tree.map(lambda x: jnp.stack([x, x]), params)
+    state = cc.OuterState(params, tx.init(params))
+    kw = dict(tx=tx, mesh=mesh, axis="dcn")
+    with pytest.raises(ValueError, match="axis 'pod'"):
+        cc.outer_sync(params_IxX, state, **dict(kw, axis="pod"))
+    with pytest.raises(ValueError, match="axis 'pod'"):
+        cc.outer_init(params, tx, mesh=mesh, axis="pod")
+    three = jax.tree.map(lambda x: jnp.stack([x, x, x]), params)
+    with pytest.raises(ValueError, match=r"params_IxX\['b1'\] has shape \(3, 128\).*2 islands"):
+        cc.outer_sync(three, state, **kw)
+    with pytest.raises(ValueError, match=r"state.anchor has the tree structure"):
+        cc.outer_sync(params_IxX, state._replace(anchor={"w1": params["w1"]}), **kw)
+    with pytest.raises(ValueError, match=r"state.anchor\['w2'\] has shape"):
+        cc.outer_sync(params_IxX, state._replace(anchor=dict(params, w2=params["w1"])), **kw)
+    with pytest.raises(ValueError, match=r"state.residual\['b1'\] has shape"):
+        cc.outer_sync(params_IxX, state._replace(residual=params), **kw)
+    with pytest.raises(TypeError, match=r"params_IxX\['n'\] has dtype int32"):
+        cc.outer_sync(dict(params_IxX, n=jnp.zeros((2, 4), jnp.int32)),
+                      state._replace(anchor=dict(params, n=jnp.zeros(4, jnp.int32))),
+                      **dict(kw, codec="int8"))
+    with pytest.raises(TypeError, match=r"params\['n'\] has dtype int32"):
+        cc.outer_init(dict(params, n=jnp.zeros(4, jnp.int32)), tx, mesh=mesh, axis="dcn")
+    with pytest.raises(TypeError, match="tx must be an outer optimizer"):
+        cc.outer_sync(params_IxX, state, **dict(kw, tx=optax.sgd))
+    with pytest.raises(TypeError, match="state must be the OuterState"):
+        cc.outer_sync(params_IxX, tuple(state), **kw)
+    with pytest.raises(ValueError, match="rows must be one of"):
+        cc.outer_sync(params_IxX, state, **dict(kw, rows="rows"))
