@@ -5,8 +5,8 @@ slow hop of the data axis) train alone for H inner steps; then each sends its
 pseudo-gradient, anchor - params (the anchor is the parameters at the last
 sync), the islands average it with a jcomp codec, an outer optimizer applies
 the average to the anchor, and every island restarts from the new anchor.
-Inner steps send nothing across islands; a sync sends one coded copy of the
-parameters' size.
+Inner steps send nothing across islands; a sync sends each island's
+pseudo-gradient across once, coded.
 
     tx = optax.sgd(0.7, momentum=0.9, nesterov=True)       # DiLoCo's outer optimizer
     params_IxX, state = cc.outer_init(params, tx, mesh=mesh, axis="dcn")
@@ -17,20 +17,28 @@ parameters' size.
 
 Every parameter leaf carries a leading island dimension I, split over the mesh
 axis `axis` (MaxText's DiLoCo holds its replicas the same way), so the islands'
-copies can differ inside one global-view program; the other mesh axes stay
-automatic, and XLA places the islands' inner steps (`jax.vmap` over I) as usual.
-Only the average crosses `axis`, in a `jax.shard_map` manual over that axis
-alone; the outer optimizer runs on the averaged pseudo-gradient, which every
-island then holds, so the new anchor is computed alike everywhere and its
-broadcast back to the islands sends nothing.
+copies can differ inside one global-view program, and XLA places the islands'
+inner steps (`jax.vmap` over I, the other axes automatic) as usual.
+
+The average runs in a `jax.shard_map` manual over every mesh axis, each leaf
+taken as the caller's `param_specs` split it inside an island: with the other
+axes automatic, XLA would gather a leaf split over them (FSDP, tensor
+parallelism) before coding it, and the slow link would carry the whole leaf
+from every device. Here a device codes the shard it holds, and the devices
+that hold the same copy of a leaf each send a 1/n piece of it, then gather
+the averaged pieces raw over their own (fast) axes: per device, the slow link
+carries 1/(devices per island) of the pseudo-gradient. The outer optimizer then
+runs on the average, which every island holds, so the new anchor is computed
+alike everywhere and its broadcast back to the islands sends nothing.
 
 The outer optimizer is the caller's: any object with optax's
 `init(params) -> state` and `update(grads, state, params) -> (updates, state)`
 (the library imports only jax and numpy). `optax.sgd(lr, momentum=0.9,
 nesterov=True)` is DiLoCo's; with `codec="none"`, lr 1 and no momentum the
-sync is the plain mean of the islands' parameters, to float32 rounding (the
-pseudo-gradient is formed, averaged and subtracted: about 2 ulp of the
-largest of anchor and parameters).
+sync is the plain mean of the islands' parameters, to float32 rounding: the
+pseudo-gradient is formed, averaged and subtracted, three roundings of half
+an ulp of the largest of anchor and parameters (exact division by a
+power-of-two number of islands; tested to 2 ulp).
 """
 from __future__ import annotations
 
@@ -38,6 +46,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp.collectives import hops, kernels
@@ -61,30 +71,39 @@ class OuterState(NamedTuple):
     residual: Any = None
 
 
-def outer_init(params, tx, *, mesh, axis: str, error_feedback: bool = False):
+def outer_init(params, tx, *, mesh, axis: str, param_specs=None, error_feedback: bool = False):
     """-> (params_IxX, OuterState): every island's copy of `params` and the outer
     state, whose anchor is `params`.
 
-    params: one copy of the parameters (no island dimension), replicated over
+    params: one copy of the parameters (no island dimension), not split over
     `axis`. tx: the outer optimizer (optax interface). params_IxX has every
-    leaf [I, ...], I = mesh.shape[axis], split over `axis`. error_feedback:
+    leaf [I, ...], I = mesh.shape[axis], split over `axis` and then as
+    `param_specs` say (see `outer_sync`). error_feedback:
     keep per-island residuals (zeros like params_IxX); `outer_sync` then sends
     with error feedback. Call it under `jax.jit` to keep everything on the
     devices."""
     _check_tx(tx)
     _check_axis(mesh, axis)
     _check_floating(params, "params")
-    params_IxX = _restart(params, params, mesh, axis)
+    specs = _check_specs(param_specs, params, "params", 0, mesh, axis)
+    # The anchor split as the syncs will leave it, so that they compile once.
+    anchor = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    params_IxX = _restart(anchor, anchor, specs, mesh, axis)
     residual = jax.tree.map(jnp.zeros_like, params_IxX) if error_feedback else None
-    return params_IxX, OuterState(params, tx.init(params), residual)
+    return params_IxX, OuterState(anchor, tx.init(anchor), residual)
 
 
 def outer_sync(params_IxX, state: OuterState, *, tx, mesh, axis: str, codec="none",
-               rows: str = "flat", key=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+               param_specs=None, rows: str = "flat", key=None,
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     """One outer step: -> (params_IxX with every island at the new anchor, new state).
 
     params_IxX: every leaf [I, ...], I = mesh.shape[axis], split over `axis`
-    (the islands), any other mesh axes automatic. state: from `outer_init`.
+    (the islands). param_specs: one island's PartitionSpecs over the other
+    mesh axes (a tree like one island's parameters, or one spec for all), as
+    the inner step splits them (FSDP, tensor parallelism); None: replicated
+    inside an island. Each leaf is coded where it lies, and the devices that
+    hold the same copy of a leaf send a piece each. state: from `outer_init`.
     tx: the outer optimizer whose state `state.opt_state` is. codec: any jcomp
     codec for the pseudo-gradients that cross `axis`; a codec per hop does not
     apply (one axis). With `state.residual` (error feedback) each island sends
@@ -95,51 +114,104 @@ def outer_sync(params_IxX, state: OuterState, *, tx, mesh, axis: str, codec="non
     axis on its own). key: for codecs that draw. Call it inside `jax.jit`.
     """
     _check_tx(tx)
-    islands = _check_args(params_IxX, state, mesh, axis)
+    _check_args(params_IxX, state, mesh, axis)
+    specs = _check_specs(param_specs, params_IxX, "params_IxX", 1, mesh, axis)
     kernels.check_rows(rows)
     delta_IxX = jax.tree.map(lambda a, p: a[None].astype(p.dtype) - p, state.anchor, params_IxX)
-    mean, residual = _average(delta_IxX, state.residual, mesh, axis, islands, codec, rows, key,
+    mean, residual = _average(delta_IxX, state.residual, specs, mesh, axis, codec, rows, key,
                               bucket_bytes)
     updates, opt_state = tx.update(mean, state.opt_state, state.anchor)
     anchor = jax.tree.map(lambda a, u: (a + u).astype(a.dtype), state.anchor, updates)
-    return _restart(anchor, params_IxX, mesh, axis), OuterState(anchor, opt_state, residual)
+    return (_restart(anchor, params_IxX, specs, mesh, axis),
+            OuterState(anchor, opt_state, residual))
 
 
-def _restart(anchor, like, mesh, axis):
+def _restart(anchor, like, specs, mesh, axis):
     """Every island's copy of the anchor (split over `axis`, with `like`'s dtypes).
     The anchor is the same on every island, so this sends nothing."""
-    dtypes = jax.tree.map(lambda p: p.dtype, like)
-    copies = jax.shard_map(lambda a: jax.tree.map(lambda x: x[None], a), mesh=mesh,
-                           in_specs=P(), out_specs=P(axis), axis_names={axis})(anchor)
-    return jax.tree.map(lambda c, d: c.astype(d), copies, dtypes)
+    leaves, treedef = jax.tree.flatten(anchor)
+    specs = treedef.flatten_up_to(specs)
+    copies = jax.shard_map(lambda xs: [x[None] for x in xs], mesh=mesh, in_specs=(specs,),
+                           out_specs=[P(axis, *s) for s in specs])(leaves)
+    dtypes = treedef.flatten_up_to(jax.tree.map(lambda p: p.dtype, like))
+    return jax.tree.unflatten(treedef, [c.astype(d) for c, d in zip(copies, dtypes)])
 
 
-def _average(delta_IxX, residual_IxX, mesh, axis, islands, codec, rows, key, bucket_bytes):
+def _average(delta_IxX, residual_IxX, specs, mesh, axis, codec, rows, key, bucket_bytes):
     """The islands' mean pseudo-gradient (no island dimension, the same on every
-    island) and the new residuals (None without error feedback)."""
+    island, split as `specs` say) and the new residuals (None without error
+    feedback).
+
+    Manual over every mesh axis, so that a leaf split inside an island (FSDP,
+    tensor parallelism) is coded shard by shard where it lies; with the other
+    axes automatic, XLA gathers it before coding. The devices of an island that
+    hold the same copy of a leaf (the axes its spec leaves out) each send a
+    1/n piece of it across `axis`, and gather the averaged pieces over those
+    fast axes: the slow link carries each island's pseudo-gradient once, not
+    once per copy."""
+    leaves, treedef = jax.tree.flatten(delta_IxX)
+    specs = treedef.flatten_up_to(specs)
+    fed = residual_IxX is not None
+    res_leaves = treedef.flatten_up_to(residual_IxX) if fed else [None] * len(leaves)
+    copies = [tuple(a for a in mesh.axis_names if a != axis and a not in _named(s)
+                    and mesh.shape[a] > 1) for s in specs]
     kw = dict(codec=codec, rows=rows, key=key, bucket_bytes=bucket_bytes)
 
-    def own(tree_1xX):
-        return jax.tree.map(lambda x: x[0], tree_1xX)
+    def body(d_leaves, r_leaves=None):
+        r_leaves = r_leaves or [None] * len(d_leaves)
+        pieces, res_pieces, layouts = [], [], []
+        for d, r, rep in zip(d_leaves, r_leaves, copies):
+            d, r = d[0], (None if r is None else r[0])
+            layouts.append((d.shape, d.dtype))
+            if rep:  # this device's piece: whole rows ("independent") or a 1/n cut ("flat")
+                d, r = (None if x is None else _piece(x, rep, rows) for x in (d, r))
+            pieces.append(d)
+            res_pieces.append(r)
+        if fed:
+            # psum_ef's residual is in the summands' units: average after the sum.
+            totals, lost = hops.psum_ef(pieces, res_pieces, axis, **kw)
+            means = [t / mesh.shape[axis] for t in totals]
+        else:
+            means, lost = hops.pmean(pieces, axis, **kw), [None] * len(pieces)
+        out_means, out_res = [], []
+        for m, miss, rep, (shape, dtype) in zip(means, lost, copies, layouts):
+            if rep:
+                m = _whole(m, rep, shape, dtype)
+                miss = None if miss is None else _whole(miss, rep, shape, dtype)
+            out_means.append(m)
+            out_res.append(None if miss is None else miss[None])
+        return out_means, (out_res if fed else None)
 
-    def plain(d_1xX):
-        return hops.pmean(own(d_1xX), axis, **kw)
+    island_specs = [P(axis, *s) for s in specs]
+    f = jax.shard_map(body, mesh=mesh, in_specs=(island_specs,) * (1 + fed),
+                      out_specs=(list(specs), island_specs if fed else None))
+    means, res = f(*((leaves, res_leaves) if fed else (leaves,)))
+    return (jax.tree.unflatten(treedef, means),
+            jax.tree.unflatten(treedef, res) if fed else None)
 
-    def fed_back(d_1xX, r_1xX):
-        # psum_ef's residual is in the summands' units: average after the sum.
-        total, r = hops.psum_ef(own(d_1xX), own(r_1xX), axis, **kw)
-        return (jax.tree.map(lambda t: t / islands, total),
-                jax.tree.map(lambda x: x[None], r))
 
-    # Manual over the islands' axis only: the parameters' split over the other
-    # axes stays XLA's, and only the average crosses `axis`.
-    if residual_IxX is None:
-        f = jax.shard_map(plain, mesh=mesh, in_specs=P(axis), out_specs=P(),
-                          axis_names={axis})
-        return f(delta_IxX), None
-    f = jax.shard_map(fed_back, mesh=mesh, in_specs=(P(axis), P(axis)),
-                      out_specs=(P(), P(axis)), axis_names={axis})
-    return f(delta_IxX, residual_IxX)
+def _piece(x, rep, rows):
+    """This device's share of `x` among the devices of `rep`, which hold equal copies."""
+    n = lax.axis_size(rep)
+    x_RxC = hops._as_rows(x, n, rows)
+    x_NxRxC = x_RxC.reshape(n, -1, x_RxC.shape[-1])
+    return lax.dynamic_index_in_dim(x_NxRxC, lax.axis_index(rep), 0, keepdims=False)
+
+
+def _whole(piece_RxC, rep, shape, dtype):
+    """The pieces of `rep`'s devices put back together (a raw gather over fast axes)."""
+    full = lax.all_gather(piece_RxC, rep, axis=0, tiled=True, to="invarying")
+    return hops._from_rows(full, shape, dtype)
+
+
+def _named(spec) -> set:
+    """The mesh axes a PartitionSpec splits over."""
+    out = set()
+    for part in spec:
+        if part is None:
+            continue
+        out.update(part if isinstance(part, tuple) else (part,))
+    return out
 
 
 def _check_tx(tx):
@@ -162,6 +234,37 @@ def _check_axis(mesh, axis) -> int:
     if not isinstance(axis, str) or axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not one mesh axis of {tuple(mesh.axis_names)}")
     return mesh.shape[axis]
+
+
+def _check_specs(param_specs, tree, name, lead, mesh, axis) -> list:
+    """-> a PartitionSpec per leaf of `tree` (one island's, past `lead` island
+    dimensions); a ValueError naming param_specs where one cannot apply."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if param_specs is None:
+        return jax.tree.unflatten(treedef, [P()] * len(leaves))
+    if isinstance(param_specs, P):
+        param_specs = jax.tree.unflatten(treedef, [param_specs] * len(leaves))
+    try:
+        specs = treedef.flatten_up_to(param_specs)
+    except (TypeError, ValueError):
+        raise ValueError(f"param_specs has the tree structure {jax.tree.structure(param_specs)}"
+                         f"; {name} has {treedef}") from None
+    named = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for (path, leaf), spec in zip(named, specs):
+        where = f"param_specs{jax.tree_util.keystr(path)}"
+        if not isinstance(spec, P):
+            raise TypeError(f"{where} must be a PartitionSpec; got {spec!r}")
+        if axis in _named(spec):
+            raise ValueError(f"{where} = {spec} splits over the islands' axis {axis!r}; "
+                             "give one island's split (the island dimension adds it)")
+        unknown = _named(spec) - set(mesh.axis_names)
+        if unknown:
+            raise ValueError(f"{where} = {spec} names {sorted(unknown)}, not axes of the mesh "
+                             f"{tuple(mesh.axis_names)}")
+        if len(spec) > leaf.ndim - lead:
+            raise ValueError(f"{where} = {spec} has more entries than the leaf's "
+                             f"{leaf.ndim - lead} dimensions")
+    return jax.tree.unflatten(treedef, specs)
 
 
 def _check_args(params_IxX, state, mesh, axis) -> int:
