@@ -105,13 +105,14 @@ def outer_sync(params_IxX, state: OuterState, *, tx, mesh, axis: str, codec="non
     inside an island. Each leaf is coded where it lies, and the devices that
     hold the same copy of a leaf send a piece each. state: from `outer_init`.
     tx: the outer optimizer whose state `state.opt_state` is. codec: any jcomp
-    codec for the pseudo-gradients that cross `axis`; a codec per hop does not
-    apply (one axis). With `state.residual` (error feedback) each island sends
+    codec for the pseudo-gradients (in the parameters' dtype) that cross
+    `axis`. With `state.residual` (error feedback) each island sends
     codec(pseudo-gradient + residual) and keeps what that dropped. rows:
-    "flat" (the default: pseudo-gradients are parameter buffers, no row is a
-    token, so each leaf codes as one vector and fewer scales travel; leaves
-    never share a block) or "independent" (every vector along a leaf's last
-    axis on its own). key: for codecs that draw. Call it inside `jax.jit`.
+    "flat" (the default: pseudo-gradients are parameter buffers, where no row
+    is a token, so each leaf's piece codes as one vector and fewer scales
+    travel; leaves never share a block) or "independent" (every vector along a
+    leaf's last axis on its own, pieces made of whole rows). key: for codecs
+    that draw. Call it inside `jax.jit`.
     """
     _check_tx(tx)
     _check_args(params_IxX, state, mesh, axis)
