@@ -139,3 +139,63 @@ def test_mesh_works_with_device_put_and_shard_map():
     )(x_sharded)
     expected = x_8x4[:, :2] + x_8x4[:, 2:]
     np.testing.assert_array_equal(np.asarray(summed), np.asarray(expected))
+
+
+# ------------------------------------------------------------------ two hops
+
+def test_dcn_data_splits_the_data_axis_into_contiguous_blocks():
+    """dcn_data=2 on (4, 2, 1): axes ('dcn', 'data', 'tensor', 'pipeline'), sizes
+    (2, 2, 2, 1); in one process each dcn group is a contiguous half of the
+    device order (an emulation of two nodes), tensor neighbours still adjacent,
+    and data rank dcn * 2 + data holds the rows the unsplit mesh's rank does."""
+    from jcomp.gpt.mesh import DCN, axis_sizes
+    mesh = make_mesh((4, 2, 1), dcn_data=2)
+    assert mesh.axis_names == (DCN,) + AXES
+    assert dict(mesh.shape) == {"dcn": 2, "data": 2, "tensor": 2, "pipeline": 1}
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 4
+    ids = np.vectorize(lambda dev: dev.id)(mesh.devices)
+    flat = np.vectorize(lambda dev: dev.id)(make_mesh((4, 2, 1)).devices)
+    np.testing.assert_array_equal(ids.reshape(4, 2, 1), flat)
+    assert sorted(ids[0].ravel()) == [0, 1, 2, 3] and sorted(ids[1].ravel()) == [4, 5, 6, 7]
+    assert axis_sizes((4, 2, 1), 1) == {"data": 4, "tensor": 2, "pipeline": 1}
+    assert make_mesh((4, 2, 1), dcn_data=1).axis_names == AXES  # no split: as before
+
+
+@pytest.mark.parametrize("dcn, error", [(3, ValueError), (8, ValueError), (0, ValueError),
+                                        (-1, ValueError), (True, TypeError), (2.0, TypeError)])
+def test_bad_dcn_data_is_refused_by_name(dcn, error):
+    with pytest.raises(error, match=r"mesh\.dcn_data"):
+        make_mesh((4, 2, 1), dcn_data=dcn)
+
+
+def test_dcn_groups_must_be_whole_processes():
+    from jcomp.gpt.mesh import check_processes
+    check_processes((4, 2, 1), 2, 2)  # one process per group
+    check_processes((4, 2, 1), 2, 4)  # two per group, each one data rank
+    check_processes((4, 2, 1), 1, 3)  # no split: nothing to check
+    with pytest.raises(ValueError, match=r"mesh\.dcn_data=4 does not divide the 2 processes"):
+        check_processes((4, 2, 1), 4, 2)
+    with pytest.raises(ValueError, match=r"mesh\.dcn_data=2: each slow-hop group spans 4"):
+        check_processes((4, 1, 1), 2, 8)
+
+
+class _FakeDevice:
+    """What create_hybrid_device_mesh reads of a CPU device."""
+    platform, device_kind = "cpu", "cpu"
+
+    def __init__(self, i, process):
+        self.id, self.process_index = i, process
+
+    def __repr__(self):
+        return f"D{self.id}@{self.process_index}"
+
+
+def test_several_processes_make_each_dcn_group_whole_processes():
+    """Two processes whose devices come interleaved: each dcn group is one
+    process's devices (create_hybrid_device_mesh, processes as granules)."""
+    devices = [_FakeDevice(i, i % 2) for i in range(8)]
+    mesh = make_mesh((4, 2, 1), devices=devices, dcn_data=2)
+    procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    assert (procs[0] == 0).all() and (procs[1] == 1).all(), mesh.devices
+    with pytest.raises(ValueError, match=r"mesh\.dcn_data=4 does not divide the 2 processes"):
+        make_mesh((4, 2, 1), devices=devices, dcn_data=4)
