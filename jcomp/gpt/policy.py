@@ -11,6 +11,14 @@ gradients, backward); MESSAGES lists the entries that name a message the step
 sends. `restrict` compresses tensor messages in some layers only and pipeline
 sends from some stages only.
 
+The slow hop. On a mesh whose data axis is split into a slow 'dcn' factor and a
+fast 'data' one (mesh.dcn_data > 1, jcomp.gpt.mesh), the data entries code the
+fast hop and the entries of HOP_MESSAGES, "dcn.grad" and "dcn.param", the slow
+one. They are kept apart from the table (`Policy.dcn`): unset, a dcn entry is
+its data entry (`pol["dcn", "grad"] == pol["data", "grad"]`), so a split mesh
+under an unchanged policy codes both hops with the data codec, one after the
+other. Set them with `replace({"dcn.grad": "int4:rot"})`; "" unsets.
+
 Presets: baseline (all "none"), naive (int4 with error feedback), hybrid_paper
 (Xu et al., CCGrid 2024: int4 with error feedback on data gradients, int8
 elsewhere) and hybrid, the best setting experiments/RESULTS.md found at no more
@@ -42,6 +50,9 @@ MESSAGES = (("data", "grad"), ("data", "param"), ("tensor", "grad"), ("tensor", 
 # What an entry's places are: global layer indices for tensor-parallel messages
 # (each layer has its own all-reduces), stage indices for pipeline messages (a
 # stage's sends: forward to the next stage, backward to the previous one).
+# The slow hop's entries (see the module docstring); unset, each is its data entry.
+HOP_AXIS = "dcn"
+HOP_MESSAGES = ((HOP_AXIS, "grad"), (HOP_AXIS, "param"))
 PLACES = {("tensor", "act"): "layers", ("tensor", "act_grad"): "layers",
           ("pipeline", "act"): "stages", ("pipeline", "act_grad"): "stages"}
 
@@ -53,9 +64,13 @@ class Policy:
     table: tuple  # ((axis, kind, codec), ...) over every axis and kind
     error_feedback: bool = False
     only: tuple = ()  # ((axis, kind, (index, ...)), ...): entries compressed there only
+    dcn: tuple = ()  # ((kind, codec), ...): the slow hop's entries that are set
 
     def __getitem__(self, axis_kind):
         axis, kind = axis_kind
+        if axis == HOP_AXIS:
+            _check_hop(kind)
+            return dict(self.dcn).get(kind, self["data", kind])
         _check(axis, kind)
         for a, k, c in self.table:
             if (a, k) == (axis, kind):
@@ -63,18 +78,36 @@ class Policy:
         raise KeyError(axis_kind)  # a table built by hand may lack an entry
 
     def as_dict(self) -> dict[str, dict[str, str]]:
-        return {a: {k: str(c) for aa, k, c in self.table if aa == a} for a in AXES}
+        """{axis: {kind: codec}}; a "dcn" axis only where a slow-hop entry is set."""
+        out = {a: {k: str(c) for aa, k, c in self.table if aa == a} for a in AXES}
+        if self.dcn:
+            out[HOP_AXIS] = {k: str(c) for k, c in self.dcn}
+        return out
 
     def replace(self, overrides: Mapping[str, Any]) -> "Policy":
-        """Overrides keyed "axis.kind", e.g. {"data.grad": "topk:0.01"}."""
+        """Overrides keyed "axis.kind", e.g. {"data.grad": "topk:0.01"}; a "dcn.KIND"
+        override of "" (or None) unsets that slow-hop entry."""
         entries = {(a, k): c for a, k, c in self.table}
+        hop = dict(self.dcn)
         for key, spec in overrides.items():
             axis, _, kind = str(key).partition(".")
-            entries[axis, kind] = parse_entry(axis, kind, spec, where=f"policy override {key!r}")
-        return dataclasses.replace(self, table=_freeze(entries))
+            where = f"policy override {key!r}"
+            if axis == HOP_AXIS:
+                _check_hop(kind, where)
+                if spec is None or (isinstance(spec, str) and not spec.strip()):
+                    hop.pop(kind, None)
+                else:
+                    hop[kind] = parse_hop_entry(kind, spec, where)
+                continue
+            entries[axis, kind] = parse_entry(axis, kind, spec, where=where)
+        return dataclasses.replace(self, table=_freeze(entries),
+                                   dcn=tuple((k, hop[k]) for a, k in HOP_MESSAGES if k in hop))
 
     def where(self, axis, kind) -> tuple | None:
         """The layers or stages where (axis, kind) compresses; None: everywhere."""
+        if axis == HOP_AXIS:
+            _check_hop(kind)
+            return None
         _check(axis, kind)
         return next((idx for a, k, idx in self.only if (a, k) == (axis, kind)), None)
 
@@ -133,6 +166,8 @@ class Policy:
         only = {(a, k): f"[{PLACES[a, k]} {format_indices(idx)}]" for a, k, idx in self.only}
         rows = [f"{a}: " + ", ".join(f"{k}={c}{only.get((a, k), '')}" for aa, k, c in self.table
                                      if aa == a) for a in AXES]
+        if self.dcn:
+            rows.append(f"{HOP_AXIS}: " + ", ".join(f"{k}={c}" for k, c in self.dcn))
         return "; ".join(rows) + f"; error_feedback={self.error_feedback}"
 
 
@@ -196,6 +231,23 @@ def parse_entry(axis: str, kind: str, spec, where: str):
             + ", ".join(f"{a}.{k}" for a, k in MESSAGES))
     check_placement(codec, axis, kind, where)
     return codec
+
+
+def parse_hop_entry(kind: str, spec, where: str):
+    """The codec of `spec` as the slow-hop entry dcn.KIND: what parse_entry would
+    accept at data.KIND, less PowerSGD (the hops reduce-scatter)."""
+    _check_hop(kind, where)
+    codec = parse_entry("data", kind, spec, where)
+    if getattr(codec, "kind", None) in ("lowrank", "learned"):
+        raise ValueError(f"{where}: {codec} cannot code the slow hop; dcn.{kind} takes a "
+                         "byte codec (e.g. int4:rot, int8)")
+    return codec
+
+
+def _check_hop(kind, where="policy"):
+    if (HOP_AXIS, kind) not in HOP_MESSAGES:
+        raise ValueError(f"{where}: the slow hop sends no {kind} message; allowed: "
+                         + ", ".join(f"{a}.{k}" for a, k in HOP_MESSAGES))
 
 
 def _check(axis, kind, where="policy"):

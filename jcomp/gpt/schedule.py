@@ -10,6 +10,12 @@ before its first item an entry sends "none"; `warmup_steps=W` is `@W` on every
 entry without a spec. The train state is laid out for `final_policy`, so a codec
 with state of its own shape (PowerSGD, an autoencoder) must be its entry's only
 item.
+
+The slow hop's entries (dcn.grad, dcn.param; jcomp.gpt.policy) take no
+schedule of their own: each follows its data entry's. Unset, it is the data
+entry, codec for codec; set, it sends "none" while its data entry's schedule
+has not started (its first item, or warmup_steps) and its own codec from then
+on.
 """
 from __future__ import annotations
 
@@ -121,6 +127,8 @@ def policy_at(base: policy_lib.Policy, sched: Schedule, step: int) -> policy_lib
         k = bisect.bisect_right([s for s, _ in items], step) - 1
         codec = "none" if k < 0 else items[k][1]
         overrides[f"{axis}.{kind}"] = base[axis, kind] if codec is None else codec
+        if axis == "data" and k < 0 and kind in dict(base.dcn):  # the slow hop waits too
+            overrides[f"{policy_lib.HOP_AXIS}.{kind}"] = "none"
     return base.replace(overrides)
 
 
@@ -151,10 +159,15 @@ def phase_at(phase_list, step: int) -> policy_lib.Policy:
 
 def is_compressed(pol: policy_lib.Policy) -> bool:
     """Whether any entry sends something other than the raw array."""
-    return any(codecs.parse(c).kind != "identity" for _, _, c in pol.table)
+    return any(codecs.parse(c).kind != "identity"
+               for c in [c for _, _, c in pol.table] + [c for _, c in pol.dcn])
 
 
 def changes(old: policy_lib.Policy, new: policy_lib.Policy) -> str:
-    """The entries that differ, e.g. "data.grad=none->int8"; "" if none."""
-    return " ".join(f"{a}.{k}={codecs.parse(c0)}->{codecs.parse(c1)}"
-                    for (a, k, c0), (_, _, c1) in zip(old.table, new.table) if c0 != c1)
+    """The entries that differ, e.g. "data.grad=none->int8"; "" if none. Slow-hop
+    entries are listed where either policy sets them."""
+    set_hop = {k for k, _ in old.dcn + new.dcn}  # an unset dcn entry changes with data's
+    entries = [(a, k) for a, k, _ in old.table] + [
+        (a, k) for a, k in policy_lib.HOP_MESSAGES if k in set_hop]
+    return " ".join(f"{a}.{k}={codecs.parse(old[a, k])}->{codecs.parse(new[a, k])}"
+                    for a, k in entries if old[a, k] != new[a, k])

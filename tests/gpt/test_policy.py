@@ -113,3 +113,29 @@ def test_structured_codecs_stand_only_where_the_placement_table_says(key, spec, 
     axis, kind = key.split(".")
     ok = [k for k, (entries, _) in policy.PLACEMENT.items() if (axis, kind) in entries]
     assert codecs.parse(spec).kind not in ok
+
+
+# ------------------------------------------------------------- the slow hop
+
+def test_dcn_entries_default_to_their_data_entries():
+    """Unset, dcn.grad and dcn.param are the data entries; set, they stand apart,
+    show in as_dict and str, and "" unsets them."""
+    hybrid = policy.preset("hybrid")
+    assert hybrid["dcn", "grad"] == hybrid["data", "grad"] and not hybrid.dcn
+    assert "dcn" not in hybrid.as_dict() and "dcn" not in str(hybrid)
+    split = hybrid.replace({"data.grad": "none", "dcn.grad": "int4"})
+    assert str(split["dcn", "grad"]) == "int4" and str(split["data", "grad"]) == "none"
+    assert split["dcn", "param"] == hybrid["data", "param"]
+    assert split.as_dict()["dcn"] == {"grad": "int4"} and "dcn: grad=int4" in str(split)
+    assert split.compresses("dcn", "grad") and split.where("dcn", "grad") is None
+    assert split.replace({"dcn.grad": ""}) == hybrid.replace({"data.grad": "none"})
+
+
+@pytest.mark.parametrize("key,spec,match", [
+    ("dcn.act", "int8", r"'dcn.act'.*slow hop sends no act message.*dcn.grad, dcn.param"),
+    ("dcn.grad", "powersgd:rank=2", r"'dcn.grad'.*cannot code the slow hop"),
+    ("dcn.param", "ae:dim=8", r"'dcn.param'.*only \(tensor.act, tensor.act_grad\)"),
+    ("dcn.grad", "int3", r"'dcn.grad'")])
+def test_bad_dcn_entries_are_refused_by_name(key, spec, match):
+    with pytest.raises(ValueError, match=match):
+        policy.preset("baseline").replace({key: spec})

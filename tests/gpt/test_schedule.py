@@ -288,3 +288,18 @@ def test_an_uncompressed_phase_flushes_residuals_into_the_sum():
     assert bool(m["finite"]) and float(m["ef_norm"]) == 0.0
     assert all(not jnp.any(r) for r in jax.tree.leaves(new["zero"]["ef"]))
 
+
+
+def test_a_set_dcn_entry_starts_with_its_data_entry():
+    """dcn entries take no schedule: a set one sends none until its data entry's
+    schedule (or the warm-up) starts; an unset one is the data entry."""
+    base = jpolicy.preset("baseline").replace({"data.grad": "int8", "dcn.grad": "int4"})
+    ph = schedule.phases(base, schedule.parse({}, base=base, warmup_steps=3))
+    assert [(s, str(p["data", "grad"]), str(p["dcn", "grad"])) for s, p in ph] == [
+        (0, "none", "none"), (3, "int8", "int4")]
+    assert schedule.changes(ph[0][1], ph[1][1]) == "data.grad=none->int8 dcn.grad=none->int4"
+    assert schedule.is_compressed(jpolicy.preset("baseline").replace({"dcn.grad": "int4"}))
+    unset = jpolicy.preset("baseline").replace({"data.grad": "int8"})
+    ph = schedule.phases(unset, schedule.parse({"data.grad": "bf16@0,int8@5"}, base=unset))
+    assert [str(p["dcn", "grad"]) for _, p in ph] == ["bf16", "int8"]
+    assert schedule.changes(ph[0][1], ph[1][1]) == "data.grad=bf16->int8"
