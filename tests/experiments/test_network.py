@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -242,3 +243,63 @@ def test_the_report_names_what_the_hybrid_rows_ran_at_each_commit():
     assert rep.hybrid_at(rev(first)) == first_ran
     assert "hybrid_paper" in rep.hybrid_at(rev(first + "^"))
     assert rep.hybrid_at(rev(last + "^")) == rep.HYBRID_PRESETS[-2][1]
+
+
+_SERVER = """
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 5555)); s.listen(); c, _ = s.accept(); n = 0
+while True:
+    d = c.recv(1 << 20)
+    if not d:
+        break
+    n += len(d)
+print(n)
+"""
+_CLIENT = """
+import socket, sys, time
+for _ in range(100):
+    try:
+        s = socket.create_connection((sys.argv[1], 5555)); break
+    except OSError:
+        time.sleep(0.05)
+s.sendall(b"x" * int(sys.argv[2])); s.close()
+"""
+
+
+@pytest.mark.skipif(bool(_namespaces_unavailable()), reason=str(_namespaces_unavailable()))
+def test_a_pair_throttles_and_counts_only_what_crosses_between_its_namespaces():
+    """--hops' link: 12 MB sent from namespace 1 to 0 cross the veth (its counters
+    hold them, plus headers and ACKs) at no more than the rate once tbf's 4 MiB
+    bucket is spent; 12 MB sent inside namespace 0, over its own loopback, leave
+    the veth's counters alone. Both namespaces and their /etc/netns files go."""
+    from tools import netns
+
+    size, rate = 12_000_000, 100e6
+    with netns.Pair(f"{net.PREFIX}{os.getpid()}") as pair:
+        pair.set_rate("100mbit")
+        assert pair.qdisc().count("rate 100Mbit") == 2, pair.qdisc()
+        host = socket.gethostname()
+        looked_up = subprocess.run(pair.exec_args(["getent", "hosts", host], process=1),
+                                   capture_output=True, text=True).stdout
+        assert looked_up.split()[0] == pair.addresses[1], looked_up
+
+        def send(server_ns, client_ns, addr):
+            server = subprocess.Popen(pair.exec_args([sys.executable, "-c", _SERVER, addr],
+                                                     process=server_ns),
+                                      stdout=subprocess.PIPE, text=True)
+            before, t0 = pair.counters(), time.monotonic()
+            subprocess.run(pair.exec_args([sys.executable, "-c", _CLIENT, addr, str(size)],
+                                          process=client_ns), check=True, timeout=60)
+            got = int(server.communicate(timeout=60)[0])
+            return got, pair.counters()[0] - before[0], time.monotonic() - t0
+
+        got, crossed, seconds = send(0, 1, pair.addresses[0])
+        assert got == size
+        assert size <= crossed <= 1.1 * size, crossed
+        assert seconds >= (size - 4 * 2**20) * 8 / rate, seconds
+        got, crossed, _ = send(0, 0, pair.addresses[0])
+        assert got == size and crossed < 10_000, crossed
+        names = pair.names
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not set(names) & set(listed), listed
+    assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
