@@ -10,8 +10,8 @@ collectives.json (benchmarks/collectives.py), collectives_sizes.json
 gpu.json (benchmarks/gpu.py), in benchmarks/results/; every
 convergence*/summary.json (experiments/convergence.py), projection.json
 (experiments/projection.py, with its link profile) and network.json
-(experiments/network.py), in experiments/results/; see report_network.py for
-network.json and gpu.json.
+(experiments/network.py) and network_hops.json (experiments/network.py --hops),
+in experiments/results/; see report_network.py for those and gpu.json.
 Every number and every PASS/FAIL in the page is computed from those files;
 only the explanatory prose is fixed text.
 """
@@ -539,7 +539,7 @@ def build(results, page_dir: str) -> str:
                  for p in sorted(glob.glob(os.path.join(f, "convergence*", "summary.json")))]
     proj, col, sz, par = (load("projection.json"), load("collectives.json"),
                           load("collectives_sizes.json"), load("parallel.json"))
-    net, gpu = load("network.json"), load("gpu.json")
+    net, gpu, hops = load("network.json"), load("gpu.json"), load("network_hops.json")
 
     commands = [i for _, s in summaries for i in s.get("invocations", [])]
     if proj:
@@ -552,6 +552,8 @@ def build(results, page_dir: str) -> str:
         commands.append(f"python -m benchmarks.parallel --repeats {par['repeats']}")
     if net:
         commands += report_network.commands(net)
+    if hops:
+        commands += report_network.commands(hops)
     if gpu:
         commands.append(gpu["command"])
     commands.append("python -m experiments.report")
@@ -613,6 +615,11 @@ def build(results, page_dir: str) -> str:
         text, net_claims = report_network.network_section(net, (proj or {}).get("link"))
         page += ["## Wall-clock on a throttled link (experiments/network.py)", "", text, ""]
         claims += net_claims
+    if hops:
+        text, hop_claims = report_network.hops_section(hops)
+        page += ["## Two hops: a throttled link between two processes (experiments/network.py "
+                 "--hops)", "", text, ""]
+        claims += hop_claims
     page += ["## GPU (benchmarks/gpu.py)", "", report_network.gpu_section(gpu), ""]
     page += ["## What matches the papers, what doesn't, and why", ""]
     page += [f"- {c}" for c in claims] or ["- No convergence or projection results yet."]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 import subprocess
 
 from experiments import linkprofile
@@ -90,13 +91,16 @@ def commands(net: dict) -> list[str]:
             continue
         s = sweep[0]
         uniq = lambda key, rs: " ".join(dict.fromkeys(r[key] for r in rs))
-        line = (f"python -m experiments.network --procs {s['procs']} --config {s['config']} "
+        line = (f"python -m experiments.network{' --hops' if s.get('hops') else ''} "
+                f"--procs {s['procs']} --config {s['config']} "
                 f"--steps {s['steps']} --warmup-steps {s['warmup_steps']} --rates "
                 f"{uniq('rate', sweep)} --policies {uniq('policy', sweep)}")
         line += f" --repeats {max(r.get('repeat', 0) for r in sweep) + 1}"
         line += "".join(f" --set {k}={v}" for k, v in s["set"].items())
-        line += (f" --ttl-rate {ttl[0]['rate']} --ttl-steps {ttl[0]['steps']} --ttl-eval-every "
+        line += (f" --ttl-rate {uniq('rate', ttl)} --ttl-steps {ttl[0]['steps']} --ttl-eval-every "
                  f"{ttl[0]['eval_every']}" if ttl else " --ttl-rate ''")
+        if len({t["rate"] for t in ttl}) > 1:
+            line += "  (one run per --ttl-rate)"
         out.append(f"{line}  # commit {commit[:7]}")
     return out
 
@@ -324,3 +328,68 @@ def gpu_section(gpu: dict | None) -> str:
                      _f(r.get("tokens_per_s"), ".0f")] for r in gpu["train"]])
     return "\n\n".join([head, codecs, f"Mesh {col['mesh']}, {col['elements_per_device']} "
                         "float32 elements per device:", ops, train])
+
+
+def hops_section(net: dict) -> tuple[str, list[str]]:
+    """(markdown, claims) for network_hops.json (experiments/network.py --hops):
+    per link rate and policy, the median over repeats of the step time and of
+    what crossed the slow hop, beside the meter's slow-hop bytes; time to the
+    baseline's loss at each rate that has it."""
+    commit = _main_commit(net)
+    if commit is None:
+        return "No successful network.py --hops run yet.", []
+    sweep = _sweep(net, commit)
+    s0 = sweep[0]["settings"]
+    groups = {}
+    for r in sweep:
+        groups.setdefault((r["settings"]["rate"], r["settings"]["policy"]), []).append(r)
+    med = lambda rs, k: (statistics.median(r[k] for r in rs)
+                         if all(r.get(k) is not None for r in rs) else None)
+    base = {rate: med(rs, "median_step_s") for (rate, p), rs in groups.items() if p == "baseline"}
+    mesh = ", ".join(f"{k.split('.', 1)[1]}={v}" for k, v in s0["set"].items()
+                     if k.startswith("mesh."))
+    out = [f"{s0['procs']} processes x {8 // s0['procs']} CPU devices of {s0['config']} "
+           f"({mesh or 'its mesh'}), each process in a network namespace of its own, the two "
+           "joined by a veth pair throttled by tc tbf at both ends: only what goes from one "
+           "process to the other is throttled and counted (the slow hop); a process's own "
+           f"devices talk over its unthrottled loopback. {s0['steps']} steps per run, medians "
+           f"over the steps after the first {net.get('warm_steps', 2)}, then the median over "
+           f"the runs of a row. Commit {commit[:7]}, on a 2-core machine shared with other work.",
+           "", "Link MB/step: bytes that crossed the veth per steady-state step, both "
+           "directions, headers included; payload: less 66 header bytes per packet. Meter "
+           "(slow hop): jcomp.meter.wire's bytes on the 'dcn' axis x 8 devices, for runs that "
+           "split the data axis (mesh.dcn_data); runs that do not leave the choice of route "
+           "to gloo, and the meter cannot say which of their bytes cross.", ""]
+    rows = []
+    for (rate, policy), rs in groups.items():
+        step, link, pay = (med(rs, k) for k in ("median_step_s", "kernel_bytes_per_step",
+                                                  "tcp_payload_per_step"))
+        slow = med(rs, "meter_slow_hop_bytes_per_step")
+        rows.append([rate, policy, _f(step, ".3f"), len(rs),
+                     _f(step / base[rate], ".2f") if base.get(rate) else "n/a",
+                     _f(link and link / 1e6, ".3f"), _f(pay and pay / 1e6, ".3f"),
+                     _f(slow and slow / 1e6, ".3f"),
+                     _f(pay / slow, ".3f") if pay and slow else "n/a",
+                     _f(med(rs, "final_loss"), ".4f")])
+    out.append(_table(["link", "policy", "step s", "runs", "vs baseline", "link MB/step",
+                       "payload MB/step", "meter slow hop MB/step", "payload/meter",
+                       "final loss"], rows))
+    claims = []
+    for rate in dict.fromkeys(r["settings"]["rate"] for r in sweep):
+        h, p = groups.get((rate, "hybrid")), groups.get((rate, "perhop"))
+        if h and p:
+            ratio = med(p, "median_step_s") / med(h, "median_step_s")
+            lk = med(p, "kernel_bytes_per_step") / med(h, "kernel_bytes_per_step")
+            claims.append(f"Two hops at {rate}: per hop (raw inside a process, coded across) "
+                          f"takes {ratio:.2f}x the flat hybrid's step time and sends {lk:.2f}x its "
+                          "bytes over the slow link (medians of the runs, side by side).")
+    for rate, ttl in sorted((net.get("ttl_by_rate") or {}).items()):
+        t_base = ttl["policies"].get("baseline", {}).get("time_s")
+        out += ["", f"Time to the baseline's final val_loss ({ttl['target_val_loss']:.4f}) at "
+                f"{rate} (training time, evaluation and compilation excluded):", "",
+                _table(["policy", "reached at step", "time s", "vs baseline", "best val_loss"],
+                       [[n, t["step"] if t["reached"] else f"not in {t['steps_run']} steps",
+                         _f(t["time_s"], ".1f"),
+                         _f(t["time_s"] / t_base, ".2f") if t["reached"] and t_base else "n/a",
+                         _f(t["best_val_loss"], ".4f")] for n, t in ttl["policies"].items()])]
+    return "\n".join(out), claims
