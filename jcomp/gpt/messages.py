@@ -11,6 +11,15 @@ its axis, direction, collective and codec per place. The step's leaf functions
 receive only their own field. A message over an axis of size 1 does not exist,
 so `describe` (the metrics' `compression` field) never lists it. EXACT lists
 the few messages no entry reaches, which a codec would only make wrong.
+
+Two hops. On a mesh with a 'dcn' axis (mesh.dcn_data > 1) the optimizer's
+messages go hop by hop: grad_reduce and param_gather over the fast 'data'
+factor (entries data.grad, data.param) and grad_reduce_dcn and
+param_gather_dcn over the slow 'dcn' factor (entries dcn.grad, dcn.param,
+which default to the data entries). The gradient reduce-scatter runs the fast
+hop first, so the slow hop carries 1/|data| of the buffer; the gather runs the
+slow hop first, on the small shard. Without a 'dcn' axis the dcn messages have
+size 1 and do not exist. `Plan.data_axes` names the data-parallel axes.
 """
 from __future__ import annotations
 
@@ -106,6 +115,8 @@ def _rest(codec):
 class Plan:
     grad_reduce: Message
     param_gather: Message
+    grad_reduce_dcn: Message
+    param_gather_dcn: Message
     ae_grad_sum: Message
     embed_sum: Message
     head_entry_grad: Message
@@ -116,6 +127,15 @@ class Plan:
     last_stage_sum: Message
     first_stage_grad: Message
     error_feedback: bool = False
+    data_axes: tuple = ("data",)  # the data-parallel mesh axes, slow hop first
+
+    def data_hops(self) -> tuple:
+        """The optimizer's hops as (mesh axis, gradient message, parameter message),
+        fast hop first: one over 'data', or with a 'dcn' axis two."""
+        hops = (("data", self.grad_reduce, self.param_gather),)
+        if "dcn" in self.data_axes:
+            hops += (("dcn", self.grad_reduce_dcn, self.param_gather_dcn),)
+        return hops
 
     def messages(self) -> tuple:
         """The messages that exist, in field order."""
@@ -131,8 +151,12 @@ class Plan:
 
 
 def plan(pol, n_layers: int, mesh_shape: Mapping[str, int]) -> Plan:
-    """The plan of `pol` for a model of `n_layers` layers on a mesh of these sizes."""
+    """The plan of `pol` for a model of `n_layers` layers on a mesh of these sizes
+    ({'data', 'tensor', 'pipeline'}, and 'dcn' for a split data axis: then
+    'data' is the fast factor's size)."""
     d, t, p = (int(mesh_shape[a]) for a in ("data", "tensor", "pipeline"))
+    k = int(mesh_shape.get("dcn", 1))
+    split = "dcn" in mesh_shape
     if n_layers % p:
         raise ValueError(f"model.n_layers={n_layers} is not divisible by mesh.pipeline={p}")
     pol.check_places(n_layers, p)
@@ -150,6 +174,10 @@ def plan(pol, n_layers: int, mesh_shape: Mapping[str, int]) -> Plan:
                 one("data", "grad"), d, rows="flat"),
         Message("param_gather", "data.param", "update", "all-gather", one("data", "param"), d,
                 rows="flat"),
+        Message("grad_reduce_dcn", "dcn.grad", "update", "reduce-scatter", one("dcn", "grad"),
+                k, rows="flat"),
+        Message("param_gather_dcn", "dcn.param", "update", "all-gather", one("dcn", "param"),
+                k, rows="flat"),
         Message("ae_grad_sum", "tensor.grad", "update", "all-reduce", one("tensor", "grad"),
                 t if learned else 1, rows="flat"),
         Message("embed_sum", "tensor.act", "forward", "all-reduce",
@@ -168,7 +196,11 @@ def plan(pol, n_layers: int, mesh_shape: Mapping[str, int]) -> Plan:
                 [at_stage("act", p - 1)], p, (p - 1,), "stages"),
         Message("first_stage_grad", "pipeline.act_grad", "backward", "all-reduce",
                 [at_stage("act_grad", 0)], p, (0,), "stages"))
-    return Plan(**{m.name: m for m in sent}, error_feedback=bool(pol.error_feedback))
+    if split and lowrank:
+        raise ValueError(f"compression.data.grad={pol['data', 'grad']}: PowerSGD all-reduces "
+                         "over one data axis; it does not run with mesh.dcn_data > 1")
+    return Plan(**{m.name: m for m in sent}, error_feedback=bool(pol.error_feedback),
+                data_axes=("dcn", "data") if split else ("data",))
 
 
 def table(pl: Plan) -> list[dict[str, Any]]:

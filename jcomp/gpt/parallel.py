@@ -36,7 +36,8 @@ Layout:
             between the first and last stage, and keeps all parameters'
             gradients free of implicit full-precision reductions. The price is
             the head's matmul computed on every stage.
-  data      The batch is split. Parameters enter the loss cast to 'varying'
+  data      The batch is split (over ('dcn', 'data') on a mesh with two hops,
+            `plan.data_axes`). Parameters enter the loss cast to 'varying'
             over data, so JAX adds no implicit float32 gradient psum; the
             gradient reduction over data is done explicitly, compressed with
             policy[data, grad], by the ZeRO optimizer.
@@ -49,7 +50,7 @@ from jcomp import collectives as cc
 from jcomp.collectives.scope import message_scope
 from jcomp.gpt import autoencoder
 from jcomp.gpt.pipeline import pipeline_forward
-from jcomp.gpt.sharding import DATA, TENSOR
+from jcomp.gpt.sharding import TENSOR
 from jcomp.gpt.tensor import embed_lookup, vocab_parallel_logits, vocab_parallel_loss
 
 
@@ -81,9 +82,9 @@ def local_loss(params, batch_bxL1, cfg, plan, microbatches: int, remat: bool = F
 
 
 def local_value_and_grad(params, batch_bxL1, cfg, plan, microbatches, remat=False):
-    """-> (this rank's loss, this rank's gradients). Gradients vary over 'data':
-    no reduction over data has happened yet."""
-    params_v = jax.tree.map(lambda x: cc.vary(x, (DATA,)), params)
+    """-> (this rank's loss, this rank's gradients). Gradients vary over the data
+    axes (`plan.data_axes`): no reduction over data has happened yet."""
+    params_v = jax.tree.map(lambda x: cc.vary(x, tuple(plan.data_axes)), params)
     # Autoencoder weights that multiply rank-varying values are marked varying over
     # tensor here, so their gradients come out per rank and are summed once per step
     # below (plan.ae_grad_sum) instead of by an implicit float32 psum per use.

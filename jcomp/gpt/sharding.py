@@ -1,6 +1,10 @@
 """Where the GPT's arrays live on the ('data', 'tensor', 'pipeline') mesh: the
 parameters' PartitionSpecs (from their logical axes), the batch's, and the
-checks that the model and batch divide over the mesh."""
+checks that the model and batch divide over the mesh.
+
+A mesh whose data axis is split into two hops (jcomp.gpt.mesh, dcn_data > 1)
+has the data-parallel axes ('dcn', 'data'): `data_axes` names them, and
+everything split or reduced over data uses that tuple."""
 from __future__ import annotations
 
 import jax
@@ -11,7 +15,26 @@ from jcomp.gpt import autoencoder
 from jcomp.gpt import model as gpt
 
 DATA, TENSOR, PIPE = "data", "tensor", "pipeline"
+DCN = "dcn"
 BATCH_SPEC = P(DATA)  # tokens [B, L+1]: rows split over data, replicated elsewhere
+
+
+def data_axes(mesh) -> tuple:
+    """The data-parallel axes of a mesh (a Mesh, or its axis names or {axis: size}):
+    ('data',), or ('dcn', 'data') on a mesh with a slow hop (slow factor first,
+    so data rank r = dcn_index * |data| + data_index)."""
+    names = tuple(getattr(mesh, "axis_names", mesh))
+    return (DCN, DATA) if DCN in names else (DATA,)
+
+
+def data_entry(axes: tuple):
+    """A PartitionSpec entry for the data axes: 'data' alone, or the tuple."""
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def batch_spec(axes: tuple = (DATA,)) -> P:
+    """tokens [B, L+1]: rows split over the data axes, replicated elsewhere."""
+    return P(data_entry(axes))
 
 
 # Logical axis (jcomp.gpt.model.PARAM_AXES) -> the mesh axis it is split over; the
@@ -23,7 +46,10 @@ _PARAM_AXES = {**gpt.PARAM_AXES, **autoencoder.PARAM_AXES}
 def check_layout(cfg: gpt.ModelConfig, mesh_shape: dict, global_batch: int, microbatches: int):
     """Raises ValueError naming the config field (model.*, mesh.*, train.*) when
     the model or the batch does not divide over the mesh."""
-    d, t, p = mesh_shape[DATA], mesh_shape[TENSOR], mesh_shape[PIPE]
+    d = 1
+    for a in data_axes(mesh_shape):
+        d *= mesh_shape[a]
+    t, p = mesh_shape[TENSOR], mesh_shape[PIPE]
     rules = [
         ("model.n_heads", cfg.n_heads, "mesh.tensor", t),
         ("model.d_ff", cfg.d_ff, "mesh.tensor", t),

@@ -6,7 +6,8 @@
 
 Inside the step: loss and local gradients (`parallel.local_value_and_grad`),
 then the ZeRO update (`zero.apply_updates`), which reduces gradients over
-'data' and gathers parameters with the plan's grad_reduce and param_gather.
+the data axes and gathers parameters with the plan's grad_reduce and
+param_gather (hop by hop on a mesh with a 'dcn' axis: `Plan.data_hops`).
 A non-finite loss or gradient norm drops the whole update (state unchanged,
 `skipped` + 1); the loop decides whether to go on or stop.
 """
@@ -20,9 +21,6 @@ from jax.sharding import PartitionSpec as P
 
 from jcomp import collectives as cc
 from jcomp.gpt import parallel, sharding, zero
-
-DATA = sharding.DATA
-
 
 def state_specs(param_specs, tx, layout: zero.Layout):
     return {"params": param_specs, "zero": zero.state_specs(param_specs, tx, layout),
@@ -53,7 +51,16 @@ def _metric_specs(layout: zero.Layout):
 
 def _draws_randomness(plan) -> bool:
     """Whether the optimizer's messages (gradient reduction, parameter gather) need a key."""
-    return any(m.codec.needs_key for m in (plan.grad_reduce, plan.param_gather))
+    return any(m.codec.needs_key for _, g, p in plan.data_hops() for m in (g, p))
+
+
+def _data_axes(mesh, plan) -> tuple:
+    """The mesh's data axes, which the plan must have been made for."""
+    axes = sharding.data_axes(mesh)
+    if tuple(plan.data_axes) != axes:
+        raise ValueError(f"the plan was made for data axes {plan.data_axes}, the mesh has "
+                         f"{axes}; make it with the mesh's sizes (messages.plan)")
+    return axes
 
 
 def make_train_step(model_cfg, mesh, plan, tx, params_shapes, *, layout: zero.Layout,
@@ -72,6 +79,7 @@ def make_train_step(model_cfg, mesh, plan, tx, params_shapes, *, layout: zero.La
     specs = sharding.param_specs(params_shapes)
     sspecs = state_specs(specs, tx, layout)
     keyed = _draws_randomness(plan)
+    data_axes = _data_axes(mesh, plan)
 
     def body(state, batch):
         params = state["params"]
@@ -82,7 +90,7 @@ def make_train_step(model_cfg, mesh, plan, tx, params_shapes, *, layout: zero.La
             grads, params, state["zero"], tx=tx, plan=plan, layout=layout, param_specs=specs,
             clip_norm=clip_norm, step=count, key=jax.random.key(seed) if keyed else None,
             bucket_bytes=bucket_bytes)
-        loss = lax.pmean(loss, DATA)
+        loss = lax.pmean(loss, data_axes)
         finite = jnp.isfinite(loss) & jnp.isfinite(stats["grad_norm"])
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = {"params": keep(new_params, params), "zero": keep(new_zero, state["zero"]),
@@ -92,7 +100,7 @@ def make_train_step(model_cfg, mesh, plan, tx, params_shapes, *, layout: zero.La
             metrics["ef_norm"] = stats["ef_norm"]
         return new_state, metrics
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(sspecs, sharding.BATCH_SPEC),
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(sspecs, sharding.batch_spec(data_axes)),
                        out_specs=(sspecs, _metric_specs(layout)), check_vma=True)
     return jax.jit(fn, donate_argnums=0)
 
@@ -101,11 +109,13 @@ def make_eval_step(model_cfg, mesh, plan, params_shapes, *, microbatches):
     """A jitted fn(params, batch) -> mean loss over the batch, sending the
     forward messages of `plan` (the same compression as training)."""
     specs = sharding.param_specs(params_shapes)
+    data_axes = _data_axes(mesh, plan)
 
     def body(params, batch):
-        return lax.pmean(parallel.local_loss(params, batch, model_cfg, plan, microbatches), DATA)
+        return lax.pmean(parallel.local_loss(params, batch, model_cfg, plan, microbatches),
+                         data_axes)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, sharding.BATCH_SPEC),
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, sharding.batch_spec(data_axes)),
                                  out_specs=P(), check_vma=True))
 
 

@@ -37,8 +37,9 @@ every rank gets the whole rank-R mean, of which it keeps slice r); its
 residual lives in the first S entries of the leaf's "ef" buffer.
 
 One step, inside the train step's `shard_map` (`apply_updates`):
-  1. reduce the local gradients over 'data': reduce-scatter the padded [d*c]
-     buffers (`cc.psum_scatter`, all leaves bucketed into a few messages) so
+  1. reduce the local gradients over 'data' (`datahops.reduce_scatter`):
+     reduce-scatter the padded [d*c] buffers (`cc.psum_scatter`, all leaves
+     bucketed into a few messages) so
      rank r receives slice r, at stage 1 and 2 alike (an all-reduce would send
      twice the bytes for the same update); with the plan's grad_reduce codec
      and error feedback when the layout keeps residuals; divide by d (each
@@ -48,10 +49,22 @@ One step, inside the train step's `shard_map` (`apply_updates`):
      the axes its spec splits it over, so a replicated leaf counts once
      (optax.clip_by_global_norm would see only the local shard);
   3. optax update of the (1, 1, 1, c) shards, applied to the float32 master;
-  4. all-gather the master over 'data' with the plan's param_gather codec,
-     un-pad and cast: the new working params, invariant over 'data'. With a
+  4. all-gather the master over 'data' with the plan's param_gather codec
+     (`datahops.gather`), un-pad and cast: the new working params, invariant
+     over 'data'. With a
      lossy param codec they are the decoded master (ZeRO++ qwZ); the float32
      master itself never passes through a codec.
+
+Two hops. On a mesh whose data axis is split (mesh.dcn_data > 1,
+`Layout.data_axes` = ('dcn', 'data'), d = |dcn| x |data|) the state is laid
+out the same way over the tuple of axes (data rank r = dcn_index * |data| +
+data_index) and steps 1 and 4 go hop by hop, each hop under its own message
+of the plan (`Plan.data_hops`, jcomp.gpt.datahops): the reduce-scatter over
+the fast 'data' factor first, then over 'dcn' on the piece it leaves; the
+gather over 'dcn' first, on the [c] shard, then over 'data'. Each hop sends
+its own codec, or lax's op where it is "none". Error feedback keeps one
+residual, that of the one lossy hop; a plan with both hops lossy and error
+feedback is refused (`for_plan`).
 
 The optimizer (`jcomp.gpt.hyperparams.make_tx`) must be elementwise: it sees
 flat shards, not parameter shapes.
@@ -70,9 +83,8 @@ from jax.sharding import PartitionSpec as P
 
 from jcomp import collectives as cc
 from jcomp.collectives import powersgd
-from jcomp.collectives.buckets import RowView, bucketed
 from jcomp.collectives.scope import message_scope
-from jcomp.gpt import hyperparams
+from jcomp.gpt import datahops, hyperparams
 
 SHARD_AXES = ("tensor", "pipeline")  # the axes working params may be split over
 
@@ -102,15 +114,17 @@ def _spec_axes(spec) -> tuple:
     return tuple(a for a in SHARD_AXES if a in named)
 
 
-def zero_spec(spec) -> P:
-    """PartitionSpec of a (D, T', P', c) state leaf for a param with `spec`."""
+def zero_spec(spec, data_axes=("data",)) -> P:
+    """PartitionSpec of a (D, T', P', c) state leaf for a param with `spec`; D is
+    split over `data_axes` (see Layout)."""
     axes = _spec_axes(spec)
-    return P("data", *(a if a in axes else None for a in SHARD_AXES), None)
+    lead = data_axes[0] if len(data_axes) == 1 else tuple(data_axes)
+    return P(lead, *(a if a in axes else None for a in SHARD_AXES), None)
 
 
-def zero_specs(param_specs):
+def zero_specs(param_specs, data_axes=("data",)):
     """`zero_spec` of every leaf of `param_specs`."""
-    return jax.tree.map(zero_spec, param_specs)
+    return jax.tree.map(lambda s: zero_spec(s, data_axes), param_specs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +137,7 @@ class Layout:
     error_feedback: bool = False  # the state keeps residuals ("ef")
     powersgd: powersgd.PowerSGD | None = None  # the gradient codec whose Q the state keeps
     multiple: int = 1             # shard lengths are multiples of this
+    data_axes: tuple = ("data",)  # the data-parallel axes: ('dcn', 'data') with two hops
 
     def __post_init__(self):
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
@@ -133,17 +148,29 @@ class Layout:
                              f"data.grad={self.powersgd}")
         if not isinstance(self.multiple, int) or self.multiple < 1:
             raise ValueError(f"multiple must be a positive int; got {self.multiple!r}")
-
+        if tuple(self.data_axes) not in (("data",), ("dcn", "data")):
+            raise ValueError(f"data_axes must be ('data',) or ('dcn', 'data'); "
+                             f"got {self.data_axes!r}")
+        if self.powersgd is not None and len(self.data_axes) > 1:
+            raise ValueError(f"powersgd does not run over two hops (mesh.dcn_data > 1); "
+                             f"got data.grad={self.powersgd}")
 
 def for_plan(plan, stage: int = 1) -> Layout:
     """The layout of a run whose state is laid out for `plan` (a
     jcomp.gpt.messages.Plan): residuals where it asks for error feedback and its
     gradient codec is lossy, PowerSGD's Q where that codec is PowerSGD, and
-    shards the gradient and parameter codecs' rows divide."""
-    g, p = plan.grad_reduce.codec, plan.param_gather.codec
-    return Layout(stage=stage, error_feedback=bool(plan.error_feedback) and g.kind != "identity",
+    shards the gradient and parameter codecs' rows divide (every hop's)."""
+    g = plan.grad_reduce.codec
+    hops = plan.data_hops()
+    lossy = [m.name for _, m, _ in hops if m.codec.kind != "identity"]
+    ef = bool(plan.error_feedback) and bool(lossy)
+    if ef and len(lossy) > 1:
+        raise ValueError(f"error feedback with both hops lossy ({', '.join(lossy)}): it keeps "
+                         "the residual of one hop; make one hop lossless or turn it off")
+    multiple = math.lcm(*(m.codec.row_multiple for _, gm, pm in hops for m in (gm, pm)))
+    return Layout(stage=stage, error_feedback=ef,
                   powersgd=g if isinstance(g, powersgd.PowerSGD) else None,
-                  multiple=math.lcm(g.row_multiple, p.row_multiple))
+                  multiple=multiple, data_axes=tuple(plan.data_axes))
 
 
 def shard_len(n_local: int, n_data: int, multiple: int) -> int:
@@ -167,7 +194,7 @@ def _local_shape(shape, spec, sizes) -> tuple:
 def _state_leaves(params, param_specs, mesh, layout, width):
     """Per leaf, a float32 ShapeDtypeStruct (D, T', P', width(c, D)) of its state."""
     sizes = dict(mesh.shape)
-    d, multiple = sizes["data"], layout.multiple
+    d, multiple = math.prod(sizes[a] for a in layout.data_axes), layout.multiple
 
     def one(param, spec):
         c = shard_len(math.prod(_local_shape(param.shape, spec, sizes)), d, multiple)
@@ -201,7 +228,7 @@ def _q_leaves(params, param_specs, mesh, rank):
 
 def state_specs(param_specs, tx, layout: Layout):
     """PartitionSpecs of the state dict, for shard_map in/out specs and shardings."""
-    zspecs = zero_specs(param_specs)
+    zspecs = zero_specs(param_specs, layout.data_axes)
     dummy = jax.tree.map(lambda _: jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), param_specs)
     opt = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, dummy), zspecs,
                                 transform_non_params=lambda _: P(),
@@ -229,12 +256,12 @@ def abstract_state(params, param_specs, mesh, tx, layout: Layout):
         state, specs)
 
 
-def _own_slice(param, multiple):
+def _own_slice(param, multiple, data_axes):
     """Local block -> this data rank's float32 slice, as (1, 1, 1, c)."""
-    d = lax.axis_size("data")
+    d = lax.axis_size(data_axes)
     c = shard_len(param.size, d, multiple)
     flat = jnp.pad(param.reshape(-1).astype(jnp.float32), (0, d * c - param.size))
-    own = lax.dynamic_slice_in_dim(flat, lax.axis_index("data") * c, c)
+    own = lax.dynamic_slice_in_dim(flat, lax.axis_index(data_axes) * c, c)
     return own.reshape(1, 1, 1, c)
 
 
@@ -244,7 +271,8 @@ def init_state(params, param_specs, mesh, tx, layout: Layout):
     psgd_q = standard normal from powersgd.Q_SEED (the same on every data rank)."""
     multiple = layout.multiple
     specs = state_specs(param_specs, tx, layout)
-    slicer = jax.shard_map(lambda p: jax.tree.map(lambda x: _own_slice(x, multiple), p),
+    axes = tuple(layout.data_axes)
+    slicer = jax.shard_map(lambda p: jax.tree.map(lambda x: _own_slice(x, multiple, axes), p),
                            mesh=mesh, in_specs=(param_specs,), out_specs=specs["master"])
     master = jax.jit(slicer)(params)
     sharding = lambda s: NamedSharding(mesh, s)
@@ -272,27 +300,28 @@ def _norm_global(xs, axes_per_leaf):
     return jnp.sqrt(sum(lax.psum(v, axes) for axes, v in buckets.items()))
 
 
-def _check_grad(name, g, axes):
+def _check_grad(name, g, axes, data_axes=("data",)):
     varying = jax.typeof(g).mat.varying
-    if "data" not in varying:
+    if not set(data_axes) <= set(varying):
+        over = " and ".join(repr(a) for a in data_axes)
         raise ValueError(
-            f"grads{name}: must be the local gradient, varying over 'data'; cast the params "
-            "with lax.pcast(p, 'data', to='varying') before differentiating so that no "
-            "automatic full-precision psum runs")
-    extra = set(varying) - {"data", *axes}
+            f"grads{name}: must be the local gradient, varying over {over}; cast the params "
+            f"with lax.pcast(p, {tuple(data_axes)!r}, to='varying') before differentiating so "
+            "that no automatic full-precision psum runs")
+    extra = set(varying) - {*data_axes, *axes}
     if extra:
         raise ValueError(f"grads{name}: varies over {sorted(extra)} but its param spec only "
                          f"splits it over {axes}; reduce those partial sums first")
 
 
-def _padded_grads(grads, p_leaves, masters, axes, multiple):
+def _padded_grads(grads, p_leaves, masters, axes, multiple, data_axes=("data",)):
     """Local gradients -> zero-padded flat [D*c] buffers, after checking their
     varying axes and that the state fits the layout."""
     named = jax.tree_util.tree_flatten_with_path(grads)[0]
-    d, flats = lax.axis_size("data"), []
+    d, flats = lax.axis_size(data_axes), []
     for (path, g), p, m, ax in zip(named, p_leaves, masters, axes):
         name = jax.tree_util.keystr(path)
-        _check_grad(name, g, ax)
+        _check_grad(name, g, ax, data_axes)
         c = shard_len(p.size, d, multiple)
         if g.shape != p.shape or m.shape != (1, 1, 1, c):
             raise ValueError(f"grads{name}: shape {g.shape}, param {p.shape} and master shard "
@@ -301,48 +330,12 @@ def _padded_grads(grads, p_leaves, masters, axes, multiple):
     return flats
 
 
-def _lax_buckets(flats, send, to_rows, from_rows, bucket_bytes):
-    """Uncompressed, the ZeRO buffers travel as a few buckets (as DDP's do) rather
-    than a message per leaf: jcomp.collectives sends "none" leaf by leaf, as lax
-    does, since the order of a sum over a concatenated buffer is the backend's.
-    The optimizer asks for the buckets here, where no gradient flows through them."""
-    return bucketed(flats, lambda f: (f, ("data",)), RowView(to_rows, from_rows),
-                    lambda buf, axes, key: send(buf), None, bucket_bytes)
-
-
-def _gather_params(master_leaves, p_leaves, message, key, bucket_bytes):
-    """(1, 1, 1, c) master shards -> working params: gathered over 'data' (invariant
-    there), un-padded, reshaped to the local param shapes and cast to their dtypes."""
-    flats, codec = [m.reshape(-1) for m in master_leaves], message.codec
-    with message_scope(message.name):
-        if codec.kind == "identity":
-            d = lax.axis_size("data")
-            gathered = _lax_buckets(
-                flats, lambda buf: lax.all_gather(buf, "data", axis=0, tiled=True,
-                                                  to="invarying"),
-                lambda f: f[None], lambda out, f: out.reshape(d * f.shape[0]), bucket_bytes)
-        else:
-            gathered = cc.all_gather(flats, "data", tiled=True, to="invarying", codec=codec,
-                                     key=key, rows="flat", bucket_bytes=bucket_bytes)
+def _gather_params(master_leaves, p_leaves, plan, key, bucket_bytes):
+    """(1, 1, 1, c) master shards -> working params: gathered over the data axes
+    (invariant there; `datahops.gather`), un-padded, reshaped to the local param
+    shapes and cast to their dtypes."""
+    gathered = datahops.gather([m.reshape(-1) for m in master_leaves], plan, key, bucket_bytes)
     return [x[:p.size].reshape(p.shape).astype(p.dtype) for x, p in zip(gathered, p_leaves)]
-
-
-def _reduce(flats, res, message, key, bucket_bytes):
-    """Sums the [D*c] buffers over 'data' -> (this rank's [c] slices, new residuals or None).
-
-    A reduce-scatter at either ZeRO stage: each rank keeps only its slice of the sum,
-    so an all-reduce would send twice the bytes for the same update."""
-    kw = dict(scatter_dimension=0, tiled=True, codec=message.codec, key=key, rows="flat",
-              bucket_bytes=bucket_bytes)
-    with message_scope(message.name):
-        if res is None and message.codec.kind == "identity":
-            d = lax.axis_size("data")
-            return _lax_buckets(
-                flats, lambda buf: lax.psum_scatter(buf, "data", scatter_dimension=0, tiled=True),
-                lambda f: f.reshape(d, -1), lambda out, f: out.reshape(-1), bucket_bytes), None
-        if res is not None:
-            return cc.psum_scatter_ef(flats, res, "data", **kw)
-        return cc.psum_scatter(flats, "data", **kw), None
 
 
 def _check_plan(plan, layout: Layout):
@@ -352,13 +345,22 @@ def _check_plan(plan, layout: Layout):
     if g.kind == "lowrank" and g != layout.powersgd:
         raise ValueError(f"grad_reduce={g} needs the PowerSGD state of that codec; "
                          f"the layout has powersgd={layout.powersgd}")
-    if p.kind in ("lowrank", "learned"):
-        raise ValueError(f"param_gather={p}: parameter gathers take a byte codec")
+    if tuple(plan.data_axes) != tuple(layout.data_axes):
+        raise ValueError(f"the plan's data axes {plan.data_axes} are not the layout's "
+                         f"{layout.data_axes}")
+    for _, gm, pm in plan.data_hops():
+        if pm.codec.kind in ("lowrank", "learned"):
+            raise ValueError(f"{pm.name}={pm.codec}: parameter gathers take a byte codec")
+    lossy = [gm for _, gm, _ in plan.data_hops() if gm.codec.kind != "identity"]
+    if layout.error_feedback and len(lossy) > 1:
+        raise ValueError(f"error feedback with both hops lossy ({lossy[0].name}, "
+                         f"{lossy[1].name}): the layout keeps one hop's residual")
 
 
 def apply_updates(grads, params, zstate, *, tx, plan, layout: Layout, param_specs,
                   clip_norm=0.0, step=None, key=None, bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
-    """One ZeRO step inside shard_map over ('data', 'tensor', 'pipeline').
+    """One ZeRO step inside shard_map over ('data', 'tensor', 'pipeline') (and 'dcn'
+    with two hops: `layout.data_axes`).
 
     grads:   local gradients, local param shapes, varying over 'data' (this rank's
              mean loss over its own rows) and over the axes of each param's spec.
@@ -394,7 +396,8 @@ def apply_updates(grads, params, zstate, *, tx, plan, layout: Layout, param_spec
     axes = [_spec_axes(s) for s in treedef.flatten_up_to(param_specs)]
     p_leaves = treedef.flatten_up_to(params)
     masters = treedef.flatten_up_to(zstate["master"])
-    flats = _padded_grads(grads, p_leaves, masters, axes, layout.multiple)
+    data_axes = tuple(layout.data_axes)
+    flats = _padded_grads(grads, p_leaves, masters, axes, layout.multiple, data_axes)
     res_leaves = treedef.flatten_up_to(zstate["ef"]) if ef_on else None
     res = [r.reshape(-1) for r in res_leaves] if ef_on else None
     new_qs = None
@@ -404,11 +407,11 @@ def apply_updates(grads, params, zstate, *, tx, plan, layout: Layout, param_spec
             own, new_qs, new_res = powersgd.reduce_shards(flats, p_leaves, q_leaves, res, psgd,
                                                           k_grad)
     else:
-        own, new_res = _reduce(flats, res, plan.grad_reduce, k_grad, bucket_bytes)
-        d = lax.axis_size("data")
+        own, new_res = datahops.reduce_scatter(flats, res, plan, k_grad, bucket_bytes)
+        d = lax.axis_size(data_axes)
         own = [o.astype(jnp.float32) / d for o in own]
     g_shards = [o.reshape(m.shape) for o, m in zip(own, masters)]
-    norm_axes = [("data",) + ax for ax in axes]
+    norm_axes = [data_axes + ax for ax in axes]
     grad_norm = _norm_global(g_shards, norm_axes)
     if clip_norm > 0:
         # NaN norm -> NaN scale: a bad step stays visible to the caller's guard.
@@ -417,8 +420,8 @@ def apply_updates(grads, params, zstate, *, tx, plan, layout: Layout, param_spec
     master_tree = jax.tree.unflatten(treedef, masters)
     updates, new_opt = tx.update(jax.tree.unflatten(treedef, g_shards), zstate["opt"], master_tree)
     new_master = optax.apply_updates(master_tree, updates)
-    new_params = _gather_params(treedef.flatten_up_to(new_master), p_leaves, plan.param_gather,
-                                k_param, bucket_bytes)
+    new_params = _gather_params(treedef.flatten_up_to(new_master), p_leaves, plan, k_param,
+                                bucket_bytes)
 
     new_state = {"master": new_master, "opt": new_opt}
     if psgd is not None:

@@ -31,6 +31,27 @@ def test_every_field_reads_its_entry_and_only_messages_that_exist_are_listed():
     assert messages.plan(jpolicy.preset("baseline"), 4, SIZES(2, 2, 2)).describe() == "none"
 
 
+def test_a_split_data_axis_adds_the_slow_hops_messages():
+    """With a 'dcn' axis the optimizer's messages go hop by hop: the data entries
+    code the fast hop, the dcn entries (their data entries when unset) the slow one."""
+    split = dict(dcn=2, **SIZES(2, 2, 1))
+    pl = messages.plan(jpolicy.preset("hybrid"), 4, split)
+    assert pl.data_axes == ("dcn", "data")
+    assert [(a, g.name, p.name) for a, g, p in pl.data_hops()] == [
+        ("data", "grad_reduce", "param_gather"), ("dcn", "grad_reduce_dcn", "param_gather_dcn")]
+    assert pl.grad_reduce_dcn.size == 2 and pl.grad_reduce.size == 2
+    assert str(pl.grad_reduce_dcn.codec) == "int4:rot" and pl.grad_reduce_dcn.axis == "dcn"
+    hop = jpolicy.preset("baseline").replace({"dcn.grad": "int4:rot", "dcn.param": "int8"})
+    assert messages.plan(hop, 4, split).describe() == (
+        "dcn.grad_reduce_dcn=int4:rot dcn.param_gather_dcn=int8")
+    flat = messages.plan(hop, 4, SIZES(4, 2, 1))  # no 'dcn' axis: no slow-hop message
+    assert flat.data_axes == ("data",) and len(flat.data_hops()) == 1
+    assert flat.describe() == "none" and not flat.grad_reduce_dcn.exists
+    with pytest.raises(ValueError, match="data.grad=powersgd.*mesh.dcn_data > 1"):
+        messages.plan(jpolicy.preset("baseline").replace({"data.grad": "powersgd:rank=2"}), 4,
+                      split)
+
+
 def test_places_are_global_layers_and_sending_stages():
     pol = jpolicy.preset("hybrid").restrict({"tensor.act": "1,3", "pipeline.act_grad": "1"})
     pl = messages.plan(pol, 4, SIZES(1, 2, 2))

@@ -1,4 +1,5 @@
 """jcomp.gpt.zero on the (2, 2, 2) mesh against a single-device optax reference."""
+import dataclasses
 import functools
 import math
 
@@ -403,3 +404,137 @@ def test_zero_shards_fill_whole_blocks(grad, size):
     row = kernels.flat_group(c, (parse(grad),))[0]
     assert row in ((c,) if parse(grad).kind == "sparse" else
                    (None,) if parse(grad).row_multiple == 1 else (parse(grad).row_multiple,))
+
+
+# ------------------------------------------------------------------ two hops
+
+SPLIT = (4, 2, 1)  # data 4 = dcn 2 x data 2, tensor 2, pipeline 1
+
+
+@functools.lru_cache(maxsize=None)
+def _split_mesh(dcn):
+    return jmesh.make_mesh(SPLIT, dcn_data=dcn)
+
+
+def _hop_plan(pol, dcn):
+    return messages.plan(pol, n_layers=2, mesh_shape=dict(_split_mesh(dcn).shape))
+
+
+@functools.lru_cache(maxsize=None)
+def _hop_step(pol, dcn):
+    """The toy's ZeRO step on SPLIT with dcn_data=dcn: -> (jitted fn, layout)."""
+    mesh, tx = _split_mesh(dcn), _tx()
+    plan = _hop_plan(pol, dcn)
+    layout = zero.for_plan(plan, 1)
+    data = tuple(plan.data_axes)
+    specs = zero.state_specs(PARAM_SPECS, tx, layout)
+
+    def body(params, zstate, x_BxI):
+        varying = jax.tree.map(lambda a: lax.pcast(a, data, to="varying"), params)
+        loss, grads = jax.value_and_grad(_local_loss)(varying, x_BxI)
+        new_p, new_z, stats = zero.apply_updates(
+            grads, params, zstate, tx=tx, plan=plan, layout=layout, param_specs=PARAM_SPECS,
+            clip_norm=CLIP)
+        return new_p, new_z, stats, lax.pmean(loss, data)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(PARAM_SPECS, specs, P(data)),
+                               out_specs=(PARAM_SPECS, specs, P(), P())))
+    return fn, layout
+
+
+def _hop_inputs(pol, dcn):
+    mesh = _split_mesh(dcn)
+    data = tuple(_hop_plan(pol, dcn).data_axes)
+    params = {k: jax.device_put(a, NamedSharding(mesh, PARAM_SPECS[k]))
+              for k, a in _params().items()}
+    x = jax.device_put(_batch(), NamedSharding(mesh, P(data)))
+    zstate = zero.init_state(params, PARAM_SPECS, mesh, _tx(), _hop_step(pol, dcn)[1])
+    return params, zstate, x
+
+
+def test_two_hops_uncompressed_match_single_device_optax():
+    """dcn_data=2, every codec none: the state laid out over ('dcn', 'data'), the
+    reduction and gather hop by hop, the same update as one device's optax (the
+    bound of the one-hop test)."""
+    pol = jpolicy.preset("baseline")
+    fn, layout = _hop_step(pol, 2)
+    assert layout.data_axes == ("dcn", "data")
+    with jax.set_mesh(_split_mesh(2)):  # (the module's other tests hold their mesh's)
+        params, zstate, x = _hop_inputs(pol, 2)
+        assert zstate["master"]["w"].sharding.spec[:2] == (("dcn", "data"), "tensor")
+        params, _, _, norms = _loop(fn, params, zstate, x, 3)
+        params = jax.tree.map(np.asarray, params)
+    ref, ref_norms = _reference(3)
+    for k in SHAPES:
+        assert _rel_err(params[k], ref[k]) < 1e-5, k
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+
+
+def _by_message_axis(report):
+    out = {}
+    for c in report.collectives:
+        key = (c.message, "+".join(c.axes))
+        out[key] = out.get(key, 0.0) + c.total_bytes
+    return out
+
+
+def test_int4_on_the_slow_hop_only():
+    """dcn.grad=int4, data.grad=none on dcn 2 x data 2: read from the compiled
+    programs, the gradients' slow hop carries at most 1/|data| of what a flat
+    int4 reduce-scatter over all 4 data ranks sends (scales included, same
+    layout), nothing but packed integers and their scales crosses dcn, and the
+    fast hop carries what an uncoded reduce-scatter plus all-gather over 'data'
+    of the padded buffers does. The run learns."""
+    hop = jpolicy.preset("baseline").replace({"dcn.grad": "int4"})
+    flat = jpolicy.preset("baseline").replace({"data.grad": "int4"})
+    fn, layout = _hop_step(hop, 2)
+    assert layout == dataclasses.replace(_hop_step(flat, 1)[1], data_axes=("dcn", "data"))
+    with jax.set_mesh(_split_mesh(2)):
+        params, zstate, x = _hop_inputs(hop, 2)
+        compiled = fn.lower(params, zstate, x).compile()
+    got = _by_message_axis(wire.measure_compiled(compiled, _split_mesh(2)))
+    with jax.set_mesh(_split_mesh(1)):
+        fparams, fzstate, fx = _hop_inputs(flat, 1)
+        ref = _by_message_axis(wire.measure_compiled(
+            _hop_step(flat, 1)[0].lower(fparams, fzstate, fx).compile(), _split_mesh(1)))
+    slow, flat_int4 = got[("grad_reduce_dcn", "dcn")], ref[("grad_reduce", "data")]
+    n_fast = 2
+    assert 0 < slow <= flat_int4 / n_fast, (slow, flat_int4)
+    # the fast hop: uncoded reduce-scatter + all-gather over 'data' of the [D*c] buffers
+    # (master leaves are (D, T', P', c) globally: a device's flat buffer is D*c)
+    sizes = dict(_split_mesh(2).shape)
+    local = sum(m.shape[0] * m.shape[-1] for m in jax.tree.leaves(
+        zero.abstract_state(_params(), PARAM_SPECS, _split_mesh(2), _tx(), layout)["master"]))
+    uncoded = 2 * (sizes["data"] - 1) / sizes["data"] * 4 * local
+    fast = got[("grad_reduce", "data")] + got[("param_gather", "data")]
+    assert fast <= uncoded * (1 + 1e-9), (fast, uncoded)
+    print(f"slow hop {slow:.0f} B <= flat int4 {flat_int4:.0f} B / {n_fast}; "
+          f"fast hop {fast:.0f} B <= uncoded {uncoded:.0f} B")
+    report = wire.measure_compiled(compiled, _split_mesh(2))
+    for c in report.collectives:
+        if c.axes == ("dcn",) and c.message == "grad_reduce_dcn":
+            for dtype, dims, _ in c.parts:
+                assert dtype in ("s8", "u8") or math.prod(dims) < 256, c
+    with jax.set_mesh(_split_mesh(2)):
+        _, _, losses, _ = _loop(compiled, params, zstate, x, 5)
+    assert losses[-1] < losses[0], losses
+
+
+def test_error_feedback_on_the_one_lossy_hop():
+    """With the slow hop lossy, the residual is that hop's: the first |dcn|*c
+    entries of each device's buffer carry it, the rest stay zero. Both hops
+    lossy with error feedback is refused (the state keeps one residual)."""
+    pol = dataclasses.replace(jpolicy.preset("baseline").replace({"dcn.grad": "int4"}),
+                              error_feedback=True)
+    fn, layout = _hop_step(pol, 2)
+    assert layout.error_feedback
+    with jax.set_mesh(_split_mesh(2)):
+        params, zstate, x = _hop_inputs(pol, 2)
+        _, zstate, losses, _ = _loop(fn, params, zstate, x, 3)
+    assert losses[-1] < losses[0]
+    ef_w = np.asarray(zstate["ef"]["w"])  # (D, T, 1, D*c): per device its [D*c] buffer
+    c = ef_w.shape[-1] // 4
+    assert np.abs(ef_w[..., :2 * c]).max() > 0 and not ef_w[..., 2 * c:].any()
+    both = dataclasses.replace(pol.replace({"data.grad": "int8"}), error_feedback=True)
+    with pytest.raises(ValueError, match="both hops lossy.*grad_reduce, grad_reduce_dcn"):
+        zero.for_plan(_hop_plan(both, 2))
