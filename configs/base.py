@@ -14,8 +14,11 @@ def get_config():
         vocab_size=256, d_model=128, n_heads=4, n_layers=4, d_ff=512, max_seq_len=128,
         tie_embeddings=True, dtype="float32"))
 
-    # Sizes per axis; one may be -1 ("the rest of the devices").
-    c.mesh = ml_collections.ConfigDict(dict(data=2, tensor=2, pipeline=2))
+    # Sizes per axis; one may be -1 ("the rest of the devices"). dcn_data=k > 1 splits
+    # the data axis into k slow-hop groups (nodes, slices, processes) of data/k
+    # devices each: the mesh becomes ('dcn', 'data', 'tensor', 'pipeline') and the
+    # compression.dcn entries code what crosses between groups (jcomp/gpt/mesh.py).
+    c.mesh = ml_collections.ConfigDict(dict(data=2, tensor=2, pipeline=2, dcn_data=1))
 
     c.data = ml_collections.ConfigDict(dict(
         source="kjv",          # "kjv", a text file / directory / glob, or "tokens:TRAIN[,VAL]"
@@ -55,6 +58,10 @@ def get_config():
                         ("pipeline", ("act", "act_grad"))):
         c.compression[axis] = ml_collections.ConfigDict({k: "" for k in kinds})
         c.compression.schedule[axis] = ml_collections.ConfigDict({k: "" for k in kinds})
+    # The slow hop (mesh.dcn_data > 1): "" = the data entry's codec. With a split, the
+    # data entries code the fast hop inside a group and these the hop between groups.
+    # No schedule of their own: each starts with its data entry's (jcomp/gpt/schedule.py).
+    c.compression.dcn = ml_collections.ConfigDict(dict(grad="", param=""))
     # Where to compress ("" = everywhere): global layer indices for the blocks'
     # tensor-parallel all-reduces, pipeline stages for what a stage sends.
     # E.g. layers.tensor.act="4-7" (later layers only), stages.pipeline.act="0".

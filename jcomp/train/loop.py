@@ -102,7 +102,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     faults.check_workdir(workdir)
     tx = run.optim.tx(run.train.steps)
     _, train_ds, val = load_data(run)
-    mesh = mesh_lib.make_mesh(run.mesh_shape)
+    mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.dcn_data)
     make_params = resume.init_params(run)
     shapes = jax.eval_shape(make_params)
 
@@ -208,7 +208,7 @@ def _start_table(run, phase, report) -> str:
 
 
 def _mesh_sizes(run) -> dict:
-    return dict(zip(mesh_lib.AXES, run.mesh_shape))
+    return run.mesh_sizes()
 
 
 def _with_traffic(last: dict, run, steps: StepCache) -> dict:

@@ -7,7 +7,8 @@
 
 A checkpoint is restored only if it was written for this run: the same
 `RunSpec.fingerprint` (model, mesh, ZeRO stage, policy, error feedback) and
-the same data position (seed, sequence length, global batch, training data).
+the same data position (seed, sequence length, global batch, training data),
+and the same split of the data axis into hops (mesh.dcn_data).
 Otherwise the run is refused with one `UsageError` listing every difference,
 before anything in the workdir is moved. Damaged steps are reported and set
 aside to `checkpoints_unusable/`; the learning-rate schedule and the count of
@@ -71,11 +72,29 @@ def data_mismatches(train_ds):
     return check
 
 
+def dcn_mismatch(run):
+    """check_meta for `Checkpointer.restore`: the split of the data axis into hops
+    (mesh.dcn_data; a checkpoint that records none had 1) must not change, even
+    where the state's arrays would fit: residuals and codecs are per hop."""
+    def check(meta):
+        saved = meta.get("mesh_dcn_data", 1) if isinstance(meta, dict) else 1
+        if saved != run.dcn_data:
+            return [f"it was written for mesh.dcn_data={saved}, this run has "
+                    f"mesh.dcn_data={run.dcn_data} (a resume cannot change the split of the "
+                    "data axis into hops)"]
+        return []
+    return check
+
+
+def _both(*checks):
+    return lambda meta: [p for c in checks for p in c(meta)]
+
+
 def checkpoint_meta(run, train_ds, step_no: int, schedule_steps: int, streak: int) -> dict:
     """What a checkpoint of step `step_no` records beside the state."""
     return {"data": train_ds.state(step_no), "step": step_no, "fingerprint": run.fingerprint(),
             "schedule_steps": schedule_steps, "nonfinite_streak": streak,
-            "optim": dataclasses.asdict(run.optim)}
+            "optim": dataclasses.asdict(run.optim), "mesh_dcn_data": int(run.dcn_data)}
 
 
 def optim_changes(run, meta) -> list[str]:
@@ -120,7 +139,8 @@ def restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds) -> Start
         with quiet.restoring_quietly(logging.getLogger(checkpoint.__name__), ckpt):
             restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, run.zero),
                                     expect_meta={"fingerprint": run.fingerprint()},
-                                    check_meta=data_mismatches(train_ds))
+                                    check_meta=_both(dcn_mismatch(run),
+                                                     data_mismatches(train_ds)))
     except checkpoint.CheckpointError as e:  # it lists every step it skipped
         ckpt.close()
         hint = "" if e.failures else "; rerun with the values it was written for, or " \

@@ -96,7 +96,7 @@ class RunSpec:
     """Everything the training loop needs to know about a run, checked."""
 
     model: gpt.ModelConfig
-    mesh_shape: tuple          # sizes along mesh_lib.AXES
+    mesh_shape: tuple          # sizes along mesh_lib.AXES (data: both hops together)
     phases: tuple              # ((first step, Policy), ...) from step 0
     plans: tuple               # the messages.Plan of each phase, in phase order
     zero: zero.Layout          # the train state's ZeRO layout (the last phase's plan)
@@ -107,6 +107,12 @@ class RunSpec:
     checkpoint_keep: int
     seed: int
     bucket_bytes: int          # the optimizer's flat buffers, at least 1 byte
+    dcn_data: int = 1          # slow-hop groups the data axis is split into (mesh.dcn_data)
+
+    def mesh_sizes(self) -> dict:
+        """The mesh's axes and sizes (jcomp.gpt.mesh.axis_sizes): with dcn_data > 1
+        a 'dcn' axis leads and 'data' is the fast factor."""
+        return mesh_lib.axis_sizes(self.mesh_shape, self.dcn_data)
 
     def plan(self, phase) -> messages.Plan:
         """What the train step sends in `phase` (one of `phases`' policies)."""
@@ -144,8 +150,9 @@ def _positive(cfg, name, *, zero_ok=False, integer=True):
     return value
 
 
-def build_policy(comp) -> policy_lib.Policy:
-    """config.compression -> Policy (ValueError naming the field on bad input)."""
+def build_policy(comp, dcn_data: int = 1) -> policy_lib.Policy:
+    """config.compression -> Policy (ValueError naming the field on bad input).
+    The slow hop's entries (compression.dcn.*) need mesh.dcn_data > 1."""
     if comp.policy not in policy_lib.PRESETS:
         raise UsageError(f"compression.policy={comp.policy!r} is not one of "
                          f"{', '.join(policy_lib.PRESETS)}")
@@ -161,6 +168,18 @@ def build_policy(comp) -> policy_lib.Policy:
                     axis, kind, spec, where=f"compression.{axis}.{kind}")
             except (TypeError, ValueError) as e:
                 raise UsageError(str(e)) from None
+    for axis, kind in policy_lib.HOP_MESSAGES:
+        spec = comp.get(axis, {}).get(kind, "")
+        if not spec:
+            continue
+        field = f"compression.{axis}.{kind}"
+        if dcn_data == 1:
+            raise UsageError(f"{field}={spec!r} codes the slow hop of a split data axis; it "
+                             "needs mesh.dcn_data > 1 (or leave it '')")
+        try:
+            overrides[f"{axis}.{kind}"] = policy_lib.parse_hop_entry(kind, spec, where=field)
+        except (TypeError, ValueError) as e:
+            raise UsageError(str(e)) from None
     ef = {"auto": None, "on": True, "off": False}[comp.error_feedback]
     try:
         pol = policy_lib.build(comp.policy, overrides, ef)
@@ -174,10 +193,10 @@ def build_policy(comp) -> policy_lib.Policy:
     return pol
 
 
-def build_phases(comp) -> list:
+def build_phases(comp, dcn_data: int = 1) -> list:
     """config.compression -> [(first step, policy in force)] from step 0 (see
     `jcomp.gpt.schedule`); the last one lays out the train state."""
-    base = build_policy(comp)
+    base = build_policy(comp, dcn_data)
     specs = {f"{a}.{k}": comp.schedule[a][k] for a, k in policy_lib.MESSAGES}
     try:
         sched = schedule_lib.parse(specs, base=base, warmup_steps=comp.warmup_steps,
@@ -200,11 +219,17 @@ MAX_SEED = 2**63 - 1
 def validate(cfg, n_devices: int) -> RunSpec:
     """Checks the whole config before anything runs -> the RunSpec of the run."""
     model_cfg = _model_config(cfg)
+    sizes = cfg.mesh.to_dict()
+    dcn_data = sizes.pop("dcn_data", 1)
     try:
-        shape = mesh_lib.resolve_shape(cfg.mesh.to_dict(), n_devices)
+        shape = mesh_lib.resolve_shape(sizes, n_devices)
     except (TypeError, ValueError) as e:
         raise UsageError(f"mesh: {e}") from None
-    mesh_shape = dict(zip(mesh_lib.AXES, shape))
+    try:
+        mesh_shape = mesh_lib.axis_sizes(shape, dcn_data)
+        mesh_lib.check_processes(shape, dcn_data, jax.process_count())
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
     for name in ("train.steps", "train.batch_size", "train.microbatches", "train.log_every",
                  "train.eval_every", "train.nonfinite_limit", "data.seq_len",
                  "data.eval_batches", "checkpoint.every", "checkpoint.keep"):
@@ -240,7 +265,7 @@ def validate(cfg, n_devices: int) -> RunSpec:
         raise UsageError(f"train.batch_size={cfg.train.batch_size} is not divisible by the "
                          f"{jax.process_count()} processes")
     _check_data_fields(cfg.data)
-    phases = build_phases(cfg.compression)
+    phases = build_phases(cfg.compression, dcn_data)
     _check_randomness(phases)
     pol = phases[-1][1]
     _check_compression_reaches_the_run(cfg, phases)
@@ -256,17 +281,37 @@ def validate(cfg, n_devices: int) -> RunSpec:
         pol.check_places(model_cfg.n_layers, mesh_shape[mesh_lib.AXES[2]])
     except ValueError as e:
         raise UsageError(f"compression.{e}") from None
-    plans = tuple(messages.plan(p, model_cfg.n_layers, mesh_shape) for _, p in phases)
+    try:
+        plans = tuple(messages.plan(p, model_cfg.n_layers, mesh_shape) for _, p in phases)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     try:
         layout = zero.for_plan(plans[-1], cfg.optim.zero_stage)
+        for pl in plans[:-1]:  # every phase runs on the layout; each must fit one too
+            zero.for_plan(pl, cfg.optim.zero_stage)
     except ValueError as e:
-        raise UsageError(f"compression.data.grad: {e}") from None
+        raise UsageError(f"compression.{'dcn.grad' if dcn_data > 1 else 'data.grad'}: "
+                         f"{e}") from None
+    _check_one_lossy_hop(plans, layout)
     return RunSpec(model=model_cfg, mesh_shape=tuple(shape), phases=tuple(phases), plans=plans,
                    zero=layout,
                    optim=optim_settings(cfg.optim), train=_train_settings(cfg.train, profile_steps),
                    data=_data_settings(cfg.data), checkpoint_every=cfg.checkpoint.every,
                    checkpoint_keep=cfg.checkpoint.keep, seed=cfg.seed,
-                   bucket_bytes=max(int(cfg.compression.bucket_mib * 2**20), 1))
+                   bucket_bytes=max(int(cfg.compression.bucket_mib * 2**20), 1),
+                   dcn_data=int(dcn_data))
+
+
+def _check_one_lossy_hop(plans, layout):
+    """With two hops and error feedback the state keeps one hop's residual: every
+    phase must code the same hop lossily (or none)."""
+    if not layout.error_feedback or len(layout.data_axes) == 1:
+        return
+    lossy = {axis for pl in plans for axis, g, _ in pl.data_hops() if g.codec.kind != "identity"}
+    if len(lossy) > 1:
+        raise UsageError("compression.error_feedback: the phases code both hops' gradients "
+                         "lossily (data.grad and dcn.grad), but the state keeps one hop's "
+                         "residual; code one hop only, or set error_feedback='off'")
 
 
 def optim_settings(o) -> OptimSettings:
@@ -327,7 +372,8 @@ def _check_compression_reaches_the_run(cfg, phases):
     feedback with nothing lossy to feed back, or a warm-up or schedule whose
     compressed phases all start at or after train.steps."""
     comp, steps, final = cfg.compression, cfg.train.steps, phases[-1][1]
-    if comp.error_feedback == "on" and final["data", "grad"].kind == "identity":
+    hop_lossy = bool(comp.get("dcn", {}).get("grad", "")) and final["dcn", "grad"].kind != "identity"
+    if comp.error_feedback == "on" and final["data", "grad"].kind == "identity" and not hop_lossy:
         raise UsageError(
             "compression.error_feedback='on' has nothing to feed back: compression.data.grad "
             f"is {final['data', 'grad']} (lossless); error feedback corrects a lossy "

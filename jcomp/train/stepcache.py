@@ -16,15 +16,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jcomp.gpt import mesh as mesh_lib
 from jcomp.gpt import messages, policy, sharding, step
 from jcomp.meter import wire
 
 
 def global_batch(mesh, local_rows, global_rows: int):
     """This process's rows int32 [B / processes, L + 1] as the global batch
-    [global_rows, L + 1], sharded over the mesh's data axis."""
-    rows = NamedSharding(mesh, sharding.BATCH_SPEC)
+    [global_rows, L + 1], sharded over the mesh's data axes."""
+    rows = NamedSharding(mesh, sharding.batch_spec(sharding.data_axes(mesh)))
     local = np.asarray(local_rows, np.int32)
     return jax.make_array_from_process_local_data(rows, local, (global_rows,) + local.shape[1:])
 
@@ -69,7 +68,7 @@ class StepCache:
 
     def exact_plan(self) -> messages.Plan:
         return messages.plan(policy.preset("baseline"), self.run.model.n_layers,
-                             dict(zip(mesh_lib.AXES, self.run.mesh_shape)))
+                             self.run.mesh_sizes())
 
     def forward_compressed(self, phase) -> bool:
         """Whether `phase` codes a forward message: then its loss differs from the exact one."""

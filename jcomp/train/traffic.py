@@ -20,6 +20,9 @@ Against the other preset's compiled step, baseline to hybrid and back:
 configs/base.py -0.3% and +0.1%; configs/tiny.py, whose leaves are small,
 -8.9% and +8.9%. Every figure is bytes per device per step, averaged over
 the mesh.
+
+On a mesh with two data hops (mesh.dcn_data > 1) the table has a 'dcn' row:
+what crosses between the slow-hop groups, beside the 'data' row inside them.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from jcomp.gpt import policy as policy_lib
 from jcomp.meter import wire
 
 KINDS = ("grad", "param", "act", "act_grad", "other")  # policy kinds; other: no message
-AXES = ("data", "tensor", "pipeline")
+AXES = ("dcn", "data", "tensor", "pipeline")  # dcn: the slow hop, on a split data axis
 SEVERAL = "2+ axes"  # scalar reductions (loss, norms) over several axes, and any over none
 # A flat optimizer buffer long enough that a block codec's ratio is its long-row one.
 _FLAT_ELEMENTS = 1 << 20

@@ -250,3 +250,61 @@ def test_optim_tx_refuses_a_bad_setting_as_usage():
     run = runspec.validate(_tiny(**{"optim.b1": 1.5}), 8)
     with pytest.raises(runspec.UsageError, match=r"^optim: b1 must be in \[0, 1\); got 1.5"):
         run.optim.tx(12)
+
+
+# ------------------------------------------------------------------ two hops
+
+SPLIT = {"mesh.data": 4, "mesh.pipeline": 1, "mesh.dcn_data": 2}
+
+
+def test_dcn_data_splits_the_mesh_and_the_plan():
+    """mesh.dcn_data=2: the mesh sizes gain a 'dcn' axis, the plans send the
+    slow hop's messages (dcn.* codes them, the data entries the fast hop)."""
+    run = runspec.validate(_tiny(**SPLIT, **{"compression.dcn.grad": "int4:rot"}), 8)
+    assert run.dcn_data == 2 and run.mesh_shape == (4, 2, 1)
+    assert run.mesh_sizes() == {"dcn": 2, "data": 2, "tensor": 2, "pipeline": 1}
+    plan = run.plan(run.policy)
+    assert plan.data_axes == ("dcn", "data") and run.zero.data_axes == ("dcn", "data")
+    assert plan.describe() == "dcn.grad_reduce_dcn=int4:rot"
+    assert run.fingerprint()["policy"]["dcn"] == {"grad": "int4:rot"}
+    # an unchanged policy codes both hops with the data entries' codecs
+    same = runspec.validate(_tiny(**SPLIT, **{"compression.policy": "hybrid"}), 8)
+    assert same.plan(same.policy).describe().startswith(
+        "data.grad_reduce=int4:rot data.param_gather=int8 dcn.grad_reduce_dcn=int4:rot "
+        "dcn.param_gather_dcn=int8")
+    assert runspec.validate(_tiny(), 8).dcn_data == 1
+
+
+@pytest.mark.parametrize("overrides,named", [
+    ({"mesh.dcn_data": 3}, ["mesh.dcn_data=3 does not divide mesh.data=2"]),
+    ({"mesh.dcn_data": 0}, ["mesh.dcn_data must be >= 1"]),
+    ({"compression.dcn.grad": "int4"},
+     ["compression.dcn.grad='int4'", "needs mesh.dcn_data > 1"]),
+    ({**SPLIT, "compression.dcn.param": "powersgd:rank=2"},
+     ["compression.dcn.param", "data.grad"]),
+    ({**SPLIT, "compression.dcn.grad": "int3"}, ["compression.dcn.grad", "int3"]),
+    ({**SPLIT, "compression.data.grad": "powersgd:rank=2"},
+     ["compression.data.grad=powersgd", "mesh.dcn_data > 1"]),
+    ({**SPLIT, "compression.data.grad": "int8", "compression.dcn.grad": "int4",
+      "compression.error_feedback": "on"}, ["compression.dcn.grad", "both hops lossy"]),
+])
+def test_bad_two_hop_settings_are_refused_by_name(overrides, named):
+    _assert_refused(overrides, named)
+
+
+def test_error_feedback_on_the_slow_hop_alone_is_accepted():
+    run = runspec.validate(_tiny(**SPLIT, **{"compression.dcn.grad": "int4",
+                                             "compression.error_feedback": "on"}), 8)
+    assert run.zero.error_feedback
+
+
+def test_multinode_config_codes_the_slow_hop_only_and_the_hybrid_elsewhere():
+    from configs import multinode
+    run = runspec.validate(multinode.get_config(), 8)
+    assert run.mesh_sizes() == {"dcn": 2, "data": 2, "tensor": 2, "pipeline": 1}
+    pol = run.policy
+    assert (str(pol["data", "grad"]), str(pol["data", "param"])) == ("none", "none")
+    assert (str(pol["dcn", "grad"]), str(pol["dcn", "param"])) == ("int4:rot", "int8")
+    for entry, codec in policy_lib.HYBRID.items():
+        if not entry.startswith("data."):
+            assert str(pol[tuple(entry.split("."))]) == codec, entry

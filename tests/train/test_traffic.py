@@ -57,6 +57,28 @@ def test_read_sums_by_axis_and_kind_and_keeps_the_reports_axis_totals():
     assert t.column("act") + t.column("act_grad") == 2 * 2_097_152.0 + 2 * 262_144.0
 
 
+def test_a_split_data_axis_gets_a_dcn_row_with_the_slow_hops_messages():
+    """Two hops: the slow hop's collectives (over 'dcn') make a row of their own,
+    first, with the kinds of their messages; the estimate scales each hop by
+    its own codec."""
+    split = {"dcn": 2, "data": 2, "tensor": 2, "pipeline": 2}
+    plan = messages.plan(policy_lib.preset("baseline").replace({"dcn.grad": "int8"}), 4, split)
+    report = wire.WireReport([
+        _c(("data",), "grad_reduce", 3_000_000.0), _c(("dcn",), "grad_reduce_dcn", 1_000_000.0),
+        _c(("dcn",), "param_gather_dcn", 4_000_000.0), _c(("dcn", "data"), "", 8.0)])
+    t = traffic.read(report, plan)
+    assert t.rows() == ["dcn", "data", traffic.SEVERAL]
+    assert t.cells[("dcn", "grad")] == 1_000_000.0 and t.cells[("dcn", "param")] == 4_000_000.0
+    assert t.row("dcn") == report.by_axis()["dcn"]  # metrics.jsonl's wire_bytes_dcn
+    raw = traffic.estimate(report, plan, messages.plan(policy_lib.preset("baseline"), 4, split),
+                           D, jnp.float32)
+    assert raw.cells[("dcn", "grad")] == pytest.approx(1_000_000.0 / traffic.codec_ratio(
+        "int8", "flat", D, jnp.float32))
+    assert raw.cells[("data", "grad")] == 3_000_000.0
+    text = traffic.start_table(t, None, compressed=True, other_name="x", footnote=[])
+    assert text.splitlines()[2].split()[0] == "dcn"
+
+
 # ---------------------------------------------------------------- codec ratios
 
 @pytest.mark.parametrize("codec,rows,row,ratio", [

@@ -327,6 +327,8 @@ BAD = [
     ("--config.seed=-1", "seed must be >= 0"),
     ("--config.data.source=", "data.source='' names no corpus"),
     ("--config.data.source=text:", "data.source='text:' names no corpus"),
+    ("--config.mesh.dcn_data=3", "mesh.dcn_data=3 does not divide mesh.data=2"),
+    ("--config.compression.dcn.grad=int4", "needs mesh.dcn_data > 1"),
 ]
 
 
@@ -340,6 +342,32 @@ def test_invalid_config_exits_2_with_one_line(tmp_path, arg, field):
     assert field in lines[0] and "Traceback" not in proc.stderr
     assert field.startswith("data.source") or "data.source" not in lines[0], lines[0]
     assert not workdir.exists(), "a rejected run must not create its workdir"
+
+
+def test_two_hops_meter_the_slow_hop_and_a_resume_cannot_change_them(tmp_path):
+    """tiny with its data axis split into two slow-hop groups (mesh.dcn_data=2 on
+    data 4 x tensor 2): metrics.jsonl has wire_bytes_dcn beside wire_bytes_data
+    and the start table a dcn row of those bytes. A rerun with dcn_data=4, whose
+    state would fit the checkpoint's arrays, is refused in one line (exit 2)."""
+    from jcomp.train.traffic import human
+    workdir = str(tmp_path / "w")
+    split = ["--config=configs/tiny.py", "--config.train.steps=3", "--config.checkpoint.every=3",
+             "--config.train.eval_every=3", "--config.mesh.data=4", "--config.mesh.pipeline=1",
+             "--config.compression.dcn.grad=int4:rot"]
+    proc = run(workdir, *split, "--config.mesh.dcn_data=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = first_record(workdir)
+    assert rec["wire_bytes_dcn"] > 0 and rec["wire_bytes_data"] > 0, rec
+    assert rec["compression"] == "dcn.grad_reduce_dcn=int4:rot"
+    rows, _ = start_table(proc.stdout)
+    assert list(rows)[:2] == ["dcn", "data"], rows
+    assert rows["dcn"]["total"] == human(rec["wire_bytes_dcn"])
+    assert rows["data"]["total"] == human(rec["wire_bytes_data"])
+    again = run(workdir, *split, "--config.mesh.dcn_data=4", "--config.train.steps=4")
+    assert again.returncode == 2, again.stderr[-3000:]
+    lines = [l for l in again.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "Traceback" not in again.stderr, again.stderr
+    assert "written for mesh.dcn_data=2, this run has mesh.dcn_data=4" in lines[0], lines[0]
 
 
 def test_two_processes_match_one(runs):
