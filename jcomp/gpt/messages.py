@@ -131,11 +131,13 @@ class Plan:
 
     def data_hops(self) -> tuple:
         """The optimizer's hops as (mesh axis, gradient message, parameter message),
-        fast hop first: one over 'data', or with a 'dcn' axis two."""
-        hops = (("data", self.grad_reduce, self.param_gather),)
-        if "dcn" in self.data_axes:
-            hops += (("dcn", self.grad_reduce_dcn, self.param_gather_dcn),)
-        return hops
+        fast hop first: one over 'data', or with a 'dcn' axis two (the slow one
+        alone where |data| = 1: a hop over one device sends nothing)."""
+        fast = ("data", self.grad_reduce, self.param_gather)
+        if "dcn" not in self.data_axes:
+            return (fast,)
+        slow = ("dcn", self.grad_reduce_dcn, self.param_gather_dcn)
+        return (fast, slow) if self.grad_reduce.exists else (slow,)
 
     def messages(self) -> tuple:
         """The messages that exist, in field order."""

@@ -412,19 +412,19 @@ SPLIT = (4, 2, 1)  # data 4 = dcn 2 x data 2, tensor 2, pipeline 1
 
 
 @functools.lru_cache(maxsize=None)
-def _split_mesh(dcn):
-    return jmesh.make_mesh(SPLIT, dcn_data=dcn)
+def _split_mesh(dcn, shape=SPLIT):
+    return jmesh.make_mesh(shape, dcn_data=dcn)
 
 
-def _hop_plan(pol, dcn):
-    return messages.plan(pol, n_layers=2, mesh_shape=dict(_split_mesh(dcn).shape))
+def _hop_plan(pol, dcn, shape=SPLIT):
+    return messages.plan(pol, n_layers=2, mesh_shape=dict(_split_mesh(dcn, shape).shape))
 
 
 @functools.lru_cache(maxsize=None)
-def _hop_step(pol, dcn):
-    """The toy's ZeRO step on SPLIT with dcn_data=dcn: -> (jitted fn, layout)."""
-    mesh, tx = _split_mesh(dcn), _tx()
-    plan = _hop_plan(pol, dcn)
+def _hop_step(pol, dcn, shape=SPLIT):
+    """The toy's ZeRO step on `shape` with dcn_data=dcn: -> (jitted fn, layout)."""
+    mesh, tx = _split_mesh(dcn, shape), _tx()
+    plan = _hop_plan(pol, dcn, shape)
     layout = zero.for_plan(plan, 1)
     data = tuple(plan.data_axes)
     specs = zero.state_specs(PARAM_SPECS, tx, layout)
@@ -442,13 +442,13 @@ def _hop_step(pol, dcn):
     return fn, layout
 
 
-def _hop_inputs(pol, dcn):
-    mesh = _split_mesh(dcn)
-    data = tuple(_hop_plan(pol, dcn).data_axes)
+def _hop_inputs(pol, dcn, shape=SPLIT):
+    mesh = _split_mesh(dcn, shape)
+    data = tuple(_hop_plan(pol, dcn, shape).data_axes)
     params = {k: jax.device_put(a, NamedSharding(mesh, PARAM_SPECS[k]))
               for k, a in _params().items()}
     x = jax.device_put(_batch(), NamedSharding(mesh, P(data)))
-    zstate = zero.init_state(params, PARAM_SPECS, mesh, _tx(), _hop_step(pol, dcn)[1])
+    zstate = zero.init_state(params, PARAM_SPECS, mesh, _tx(), _hop_step(pol, dcn, shape)[1])
     return params, zstate, x
 
 
@@ -538,3 +538,23 @@ def test_error_feedback_on_the_one_lossy_hop():
     both = dataclasses.replace(pol.replace({"data.grad": "int8"}), error_feedback=True)
     with pytest.raises(ValueError, match="both hops lossy.*grad_reduce, grad_reduce_dcn"):
         zero.for_plan(_hop_plan(both, 2))
+
+
+def test_one_data_rank_per_group_sends_only_the_slow_hop():
+    """dcn_data=2 on (2, 2, 2): each group holds one data rank, so only the slow
+    hop exists; it takes the inherited lossy codec and the residual, and the
+    fast hop's codec sends nothing."""
+    pol = dataclasses.replace(jpolicy.preset("baseline").replace({"data.grad": "int4"}),
+                              error_feedback=True)
+    plan = _hop_plan(pol, 2, (2, 2, 2))
+    assert [a for a, _, _ in plan.data_hops()] == ["dcn"]
+    fn, layout = _hop_step(pol, 2, (2, 2, 2))
+    assert layout.error_feedback
+    with jax.set_mesh(_split_mesh(2, (2, 2, 2))):
+        params, zstate, x = _hop_inputs(pol, 2, (2, 2, 2))
+        compiled = fn.lower(params, zstate, x).compile()
+        _, zstate, losses, _ = _loop(compiled, params, zstate, x, 3)
+    report = wire.measure_compiled(compiled, _split_mesh(2, (2, 2, 2)))
+    assert not any("data" in c.axes and c.message.startswith("grad_reduce")
+                   for c in report.collectives), report.table()
+    assert losses[-1] < losses[0] and np.abs(np.asarray(zstate["ef"]["w"])).max() > 0
