@@ -170,16 +170,23 @@ def check_processes(sizes, dcn_data: int, n_processes: int) -> None:
 
 def _hybrid_grid(sizes: dict, devices) -> np.ndarray:
     """Devices as [dcn, data, pipeline, tensor] with every dcn group made of whole
-    processes (`create_hybrid_device_mesh`, processes as granules)."""
+    processes (`create_hybrid_device_mesh`, processes as granules; where it cannot
+    fit the shape to the topology, each process's devices in the given order,
+    processes by index)."""
     k, d, t, p = (sizes[a] for a in (DCN, "data", "tensor", "pipeline"))
-    n_proc = len({dev.process_index for dev in devices})
-    per_group = n_proc // k
+    procs = sorted({dev.process_index for dev in devices})
+    per_group = len(procs) // k
     try:
         return np.asarray(mesh_utils.create_hybrid_device_mesh(
             (1, d // per_group, p, t), (k, per_group, 1, 1), devices, process_is_granule=True))
-    except (ValueError, AssertionError) as e:
-        raise ValueError(f"mesh.dcn_data={k}: the devices do not split into {k} groups of "
-                         f"whole processes: {e}") from None
+    except (ValueError, NotImplementedError, AssertionError):
+        by_proc = [[dev for dev in devices if dev.process_index == i] for i in procs]
+        if len({len(g) for g in by_proc}) > 1:
+            raise ValueError(f"mesh.dcn_data={k}: the processes hold different numbers of "
+                             "devices, so the slow-hop groups cannot be whole processes "
+                             "of equal size") from None
+        ordered = [dev for g in by_proc for dev in g]
+        return np.asarray(ordered, dtype=object).reshape(k, d, p, t)
 
 
 def make_mesh(shape, devices=None, *, dcn_data: int = 1) -> jax.sharding.Mesh:

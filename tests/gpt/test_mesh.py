@@ -199,3 +199,9 @@ def test_several_processes_make_each_dcn_group_whole_processes():
     assert (procs[0] == 0).all() and (procs[1] == 1).all(), mesh.devices
     with pytest.raises(ValueError, match=r"mesh\.dcn_data=4 does not divide the 2 processes"):
         make_mesh((4, 2, 1), devices=devices, dcn_data=4)
+
+
+def test_processes_of_unequal_sizes_cannot_be_dcn_groups():
+    devices = [_FakeDevice(i, 0 if i < 5 else 1) for i in range(8)]
+    with pytest.raises(ValueError, match=r"mesh\.dcn_data=2: the processes hold different"):
+        make_mesh((4, 2, 1), devices=devices, dcn_data=2)
