@@ -270,7 +270,8 @@ def plan(args) -> list[dict]:
                   set=dict(args.set), **({"hops": True} if args.hops else {}))
     rows = [dict(common, kind="sweep", rate=r, policy=p, steps=args.steps, eval_every=args.steps,
                  repeat=i)
-            for i in range(args.repeats) for r in args.rates for p in args.policies]
+            for i in range(args.repeats) for r in args.rates for p in args.policies
+            if not args.ttl_only]
     if args.ttl_rate:
         rows += [dict(common, kind="ttl", rate=args.ttl_rate, policy=p, steps=args.ttl_steps,
                       eval_every=args.ttl_eval_every)
@@ -443,6 +444,9 @@ def parse_args(argv):
     p.add_argument("--ttl-rate", default="100mbit", help="'' for no time-to-loss runs")
     p.add_argument("--ttl-steps", type=int, default=None, help="default: 2 x --steps")
     p.add_argument("--ttl-eval-every", type=int, default=2)
+    p.add_argument("--ttl-only", action="store_true",
+                   help="only the time-to-loss runs; their target is the newest baseline "
+                        "sweep row at --ttl-rate already in --out, whatever its commit")
     p.add_argument("--set", type=_key_value, action="append", default=[],
                    help="config override KEY=VALUE for every run (e.g. train.batch_size=16)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run; killed after")

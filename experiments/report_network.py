@@ -87,6 +87,16 @@ def commands(net: dict) -> list[str]:
         rows = [r["settings"] for r in net["rows"] if r["commit"] == commit]
         sweep = [s for s in rows if s["kind"] == "sweep"]
         ttl = [s for s in rows if s["kind"] == "ttl"]
+        if not sweep and ttl:  # a --ttl-only run
+            t = ttl[0]
+            out.append(f"python -m experiments.network{' --hops' if t.get('hops') else ''} "
+                       f"--ttl-only --procs {t['procs']} --config {t['config']} --warmup-steps "
+                       f"{t['warmup_steps']} --rates {t['rate']} --policies "
+                       f"{' '.join(dict.fromkeys(r['policy'] for r in ttl))} --ttl-rate {t['rate']} "
+                       f"--ttl-steps {t['steps']} --ttl-eval-every {t['eval_every']}"
+                       + "".join(f" --set {k}={v}" for k, v in t["set"].items())
+                       + f"  # commit {commit[:7]}")
+            continue
         if not sweep:
             continue
         s = sweep[0]
@@ -97,10 +107,8 @@ def commands(net: dict) -> list[str]:
                 f"{uniq('rate', sweep)} --policies {uniq('policy', sweep)}")
         line += f" --repeats {max(r.get('repeat', 0) for r in sweep) + 1}"
         line += "".join(f" --set {k}={v}" for k, v in s["set"].items())
-        line += (f" --ttl-rate {uniq('rate', ttl)} --ttl-steps {ttl[0]['steps']} --ttl-eval-every "
+        line += (f" --ttl-rate {ttl[0]['rate']} --ttl-steps {ttl[0]['steps']} --ttl-eval-every "
                  f"{ttl[0]['eval_every']}" if ttl else " --ttl-rate ''")
-        if len({t["rate"] for t in ttl}) > 1:
-            line += "  (one run per --ttl-rate)"
         out.append(f"{line}  # commit {commit[:7]}")
     return out
 

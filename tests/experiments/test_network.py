@@ -54,6 +54,10 @@ def test_sweep_runs_every_row_repeat_major():
                      + [("ttl", None, "100mbit", p) for p in ("baseline", "hybrid")])
     with pytest.raises(SystemExit):
         net.parse_args(["--repeats", "0"])
+    only = net.parse_args(["--ttl-only", "--rates", "1gbit", "--ttl-rate", "1gbit", "--policies",
+                           "baseline", "perhop", "--hops"])
+    assert [(s["kind"], s["rate"], s["policy"], s["hops"]) for s in net.plan(only)] == [
+        ("ttl", "1gbit", "baseline", True), ("ttl", "1gbit", "perhop", True)]
 
 
 @pytest.mark.e2e
