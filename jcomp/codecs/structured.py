@@ -16,9 +16,9 @@ POWERSGD_FORM = ("powersgd:rank=R[:factor=CODEC][:fallback=CODEC][:min_compressi
                  "(R an int >= 1, F a number >= 1, CODEC a codec spec without ':' such as "
                  "none, bf16, int8)")
 AE_FORM = ("ae:dim=A[:init=orthogonal|normal][:rest=CODEC] (A an int >= 1; CODEC one of "
-           "none, bf16, fp16, fp8, int8, int4, int2)")
+           "none, bf16, fp16, fp8, int8, int4, int2, mxfp8, mxfp4, nvfp4)")
 INITS = ("orthogonal", "normal")
-RESTS = ("none", "bf16", "fp16", "fp8", "int8", "int4", "int2")
+RESTS = ("none", "bf16", "fp16", "fp8", "int8", "int4", "int2", "mxfp8", "mxfp4", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)

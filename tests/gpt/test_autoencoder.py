@@ -36,6 +36,8 @@ def test_parse_and_print_roundtrip():
     assert (ae.dim, ae.init, ae.rest, ae.kind) == (16, "normal", "int8", "learned")
     assert str(ae) == "ae:dim=16:init=normal:rest=int8"
     assert codecs.parse(str(ae)) == ae and str(codecs.parse("ae:dim=4")) == "ae:dim=4"
+    for rest in ("mxfp8", "mxfp4", "nvfp4"):  # the microscaling codecs code the rest too
+        assert codecs.parse(codecs.parse(f"ae:dim=4:rest={rest}").rest).name == rest
 
 
 @pytest.mark.parametrize("spec, phrase", [
