@@ -373,15 +373,28 @@ def hops_section(net: dict) -> tuple[str, list[str]]:
         step, link, pay = (med(rs, k) for k in ("median_step_s", "kernel_bytes_per_step",
                                                   "tcp_payload_per_step"))
         slow = med(rs, "meter_slow_hop_bytes_per_step")
-        rows.append([rate, policy, _f(step, ".3f"), len(rs),
+        rows.append([rate, policy, _f(step, ".3f"), _spread(rs[0]),
                      _f(step / base[rate], ".2f") if base.get(rate) else "n/a",
                      _f(link and link / 1e6, ".3f"), _f(pay and pay / 1e6, ".3f"),
                      _f(slow and slow / 1e6, ".3f"),
                      _f(pay / slow, ".3f") if pay and slow else "n/a",
                      _f(med(rs, "final_loss"), ".4f")])
+    failed = {}
+    for r in net["rows"]:
+        st = r["settings"]
+        if r.get("commit") == commit and "error" in r and st["kind"] == "sweep":
+            failed.setdefault((st["rate"], st["policy"]), []).append(r["error"])
+    for (rate, policy), errs in failed.items():
+        if (rate, policy) not in groups:
+            rows.append([rate, policy, f"failed ({len(errs)} of {len(errs)} runs)", "-", "-",
+                         "-", "-", "-", "-", "-"])
     out.append(_table(["link", "policy", "step s", "runs", "vs baseline", "link MB/step",
                        "payload MB/step", "meter slow hop MB/step", "payload/meter",
                        "final loss"], rows))
+    if failed:
+        out += ["", "Failed runs (the first line of each error): " + "; ".join(
+            f"{rate} {policy}: " + errs[0].split(" | ")[0][:200]
+            for (rate, policy), errs in failed.items())]
     claims = []
     for rate in dict.fromkeys(r["settings"]["rate"] for r in sweep):
         h, p = groups.get((rate, "hybrid")), groups.get((rate, "perhop"))
