@@ -95,6 +95,12 @@ POLICIES = {  # name -> config.compression overrides
     # bytes: the paper's recipe with int8 gradients and int4 tensor act_grad.
     "best": {"policy": "hybrid_paper", "error_feedback": "off", "data.grad": "int8",
              "tensor.act_grad": "int4"},
+    # The seeds suite's mx_nvfp4rot (experiments/convergence.py): nvfp4:rot tensor
+    # messages and pipeline backward sends, for the preset rule's speed condition.
+    "mx_nvfp4rot": {"policy": "baseline", "error_feedback": "off", "data.param": "int8",
+                    "data.grad": "int4:rot", "tensor.act": "nvfp4:rot",
+                    "tensor.act_grad": "nvfp4:rot", "pipeline.act": "int8",
+                    "pipeline.act_grad": "nvfp4"},
     # Per hop: the data axis split into a slow hop between the processes (dcn)
     # and a fast one inside each; only what crosses the slow hop is coded.
     "perhop": {"policy": "baseline", "mesh.dcn_data": "2", "dcn.grad": "int4:rot",
