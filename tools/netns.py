@@ -109,6 +109,29 @@ def remove_stale():
             shutil.rmtree(os.path.join(_ETC_NETNS, name[0]), ignore_errors=True)
 
 
+def _probe(ns: str, store):
+    """Starts a process that lives in namespace `ns` (/proc/<its pid>/net is the
+    namespace's view, read without starting a process per reading) and hands it
+    to `store` before any signal lands, so that cleanup finds it."""
+    with signals_deferred():
+        store(subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "infinity"],
+                               start_new_session=True))
+
+
+def _wait_for(ready, tries: int = 100):
+    for _ in range(tries):
+        if ready():
+            return
+        time.sleep(0.02)
+
+
+def _retransmitted(pid: int) -> int:
+    """TCP segments retransmitted so far in the namespace of process `pid`."""
+    with open(f"/proc/{pid}/net/snmp") as f:
+        names, values = [l.split() for l in f if l.startswith("Tcp:")][:2]
+    return int(values[names.index("RetransSegs")])
+
+
 class Namespace:
     """A network namespace with only a loopback; removed on exit, whatever happens."""
 
@@ -122,15 +145,8 @@ class Namespace:
             raise Unavailable(f"ip netns add {self.name}: {proc.stderr.strip() or 'failed'}")
         try:
             _run("ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up")
-            # A process that lives in the namespace: /proc/<its pid>/net/dev is the
-            # namespace's view, read without starting a process per reading.
-            with signals_deferred():
-                self._probe = subprocess.Popen(self.exec_args(["sleep", "infinity"]),
-                                               start_new_session=True)
-            for _ in range(100):
-                if self._lo_line() is not None:
-                    break
-                time.sleep(0.02)
+            _probe(self.name, lambda p: setattr(self, "_probe", p))
+            _wait_for(lambda: self._lo_line() is not None)
         except BaseException:
             self.__exit__()
             raise
@@ -168,9 +184,7 @@ class Namespace:
         if line is None:
             raise RuntimeError(f"cannot read the loopback counters of namespace {self.name}")
         fields = line.split(":", 1)[1].split()
-        with open(f"/proc/{self._probe.pid}/net/snmp") as f:
-            names, values = [l.split() for l in f if l.startswith("Tcp:")][:2]
-        return int(fields[0]), int(fields[1]), int(values[names.index("RetransSegs")])
+        return int(fields[0]), int(fields[1]), _retransmitted(self._probe.pid)
 
     def header_bytes(self) -> int:
         """Bytes of headers on every loopback packet: Ethernet 14, IPv4 20, TCP 20,
@@ -230,13 +244,8 @@ class Pair:
                 os.makedirs(os.path.join(_ETC_NETNS, ns), exist_ok=True)
                 with open(os.path.join(_ETC_NETNS, ns, "hosts"), "w") as f:
                     f.write(f"127.0.0.1 localhost\n{addr} {host}\n")
-                with signals_deferred():
-                    self._probes.append(subprocess.Popen(
-                        ["ip", "netns", "exec", ns, "sleep", "infinity"], start_new_session=True))
-            for _ in range(100):
-                if all(self._line(i) is not None for i in (0, 1)):
-                    break
-                time.sleep(0.02)
+                _probe(ns, self._probes.append)
+            _wait_for(lambda: all(self._line(i) is not None for i in (0, 1)))
         except BaseException:
             self.__exit__()
             raise
@@ -276,9 +285,7 @@ class Pair:
                 raise RuntimeError(f"cannot read the counters of {self.veths[i]} in {self.names[i]}")
             fields = line.split(":", 1)[1].split()
             total, packets = total + int(fields[0]), packets + int(fields[1])
-            with open(f"/proc/{self._probes[i].pid}/net/snmp") as f:
-                names, values = [l.split() for l in f if l.startswith("Tcp:")][:2]
-            retrans += int(values[names.index("RetransSegs")])
+            retrans += _retransmitted(self._probes[i].pid)
         return total, packets, retrans
 
     def header_bytes(self) -> int:
