@@ -118,7 +118,16 @@ def _probe(ns: str, store):
                                start_new_session=True))
 
 
-def _wait_for(ready, tries: int = 100):
+def _entered(proc) -> bool:
+    """Whether `proc` (an `ip netns exec`) has moved into its namespace: until it
+    has, its /proc view is the caller's own network."""
+    try:
+        return os.readlink(f"/proc/{proc.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+    except OSError:
+        return False
+
+
+def _wait_for(ready, tries: int = 250):
     for _ in range(tries):
         if ready():
             return
@@ -146,7 +155,7 @@ class Namespace:
         try:
             _run("ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up")
             _probe(self.name, lambda p: setattr(self, "_probe", p))
-            _wait_for(lambda: self._lo_line() is not None)
+            _wait_for(lambda: _entered(self._probe) and self._lo_line() is not None)
         except BaseException:
             self.__exit__()
             raise
@@ -245,7 +254,8 @@ class Pair:
                 with open(os.path.join(_ETC_NETNS, ns, "hosts"), "w") as f:
                     f.write(f"127.0.0.1 localhost\n{addr} {host}\n")
                 _probe(ns, self._probes.append)
-            _wait_for(lambda: all(self._line(i) is not None for i in (0, 1)))
+            _wait_for(lambda: all(_entered(p) for p in self._probes)
+                      and all(self._line(i) is not None for i in (0, 1)))
         except BaseException:
             self.__exit__()
             raise

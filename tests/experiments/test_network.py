@@ -333,3 +333,12 @@ def test_the_hops_section_compares_per_hop_with_flat_hybrid_side_by_side():
                       "0.50x the flat hybrid's step time and sends 0.50x its bytes over the slow "
                       "link (medians of the runs, side by side)."]
     assert rep.commands({"rows": rows})[0].startswith("python -m experiments.network --hops ")
+
+
+@pytest.mark.skipif(bool(_namespaces_unavailable()), reason=str(_namespaces_unavailable()))
+def test_a_fresh_namespace_reads_its_own_loopback():
+    """Its counters are read through a process that enters the namespace: read
+    before it has, they would be this machine's own loopback's."""
+    for _ in range(3):
+        with net.Namespace(f"{net.PREFIX}{os.getpid()}") as ns:
+            assert ns.counters() == (0, 0, 0)
