@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp.collectives import hops, kernels
+from jcomp.collectives.jitspecs import axes_in
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
 
 __all__ = ["OuterState", "outer_init", "outer_sync"]
@@ -154,7 +155,7 @@ def _average(delta_IxX, residual_IxX, specs, mesh, axis, codec, rows, key, bucke
     specs = treedef.flatten_up_to(specs)
     fed = residual_IxX is not None
     res_leaves = treedef.flatten_up_to(residual_IxX) if fed else [None] * len(leaves)
-    copies = [tuple(a for a in mesh.axis_names if a != axis and a not in _named(s)
+    copies = [tuple(a for a in mesh.axis_names if a != axis and a not in axes_in(s)
                     and mesh.shape[a] > 1) for s in specs]
     kw = dict(codec=codec, rows=rows, key=key, bucket_bytes=bucket_bytes)
 
@@ -205,16 +206,6 @@ def _whole(piece_RxC, rep, shape, dtype):
     return hops._from_rows(full, shape, dtype)
 
 
-def _named(spec) -> set:
-    """The mesh axes a PartitionSpec splits over."""
-    out = set()
-    for part in spec:
-        if part is None:
-            continue
-        out.update(part if isinstance(part, tuple) else (part,))
-    return out
-
-
 def _check_tx(tx):
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(f"tx must be an outer optimizer with optax's init and update "
@@ -255,10 +246,10 @@ def _check_specs(param_specs, tree, name, lead, mesh, axis) -> list:
         where = f"param_specs{jax.tree_util.keystr(path)}"
         if not isinstance(spec, P):
             raise TypeError(f"{where} must be a PartitionSpec; got {spec!r}")
-        if axis in _named(spec):
+        if axis in axes_in(spec):
             raise ValueError(f"{where} = {spec} splits over the islands' axis {axis!r}; "
                              "give one island's split (the island dimension adds it)")
-        unknown = _named(spec) - set(mesh.axis_names)
+        unknown = axes_in(spec) - set(mesh.axis_names)
         if unknown:
             raise ValueError(f"{where} = {spec} names {sorted(unknown)}, not axes of the mesh "
                              f"{tuple(mesh.axis_names)}")

@@ -155,6 +155,7 @@ class Layout:
             raise ValueError(f"powersgd does not run over two hops (mesh.dcn_data > 1); "
                              f"got data.grad={self.powersgd}")
 
+
 def for_plan(plan, stage: int = 1) -> Layout:
     """The layout of a run whose state is laid out for `plan` (a
     jcomp.gpt.messages.Plan): residuals where it asks for error feedback and its
