@@ -50,7 +50,7 @@ def test_quick_summary_has_every_field(quick):
     runs = {r["name"]: r for r in summary["runs"]}
     assert set(runs) == {"baseline", "hybrid"}
     assert summary["steps"] == 4 and summary["quick"] is True
-    assert summary["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2}
+    assert summary["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2, "dcn_data": 1}
     for r in runs.values():
         assert r["steps"] == 4
         assert math.isfinite(r["final_val_loss"]) and r["best_val_loss"] <= r["final_val_loss"]
