@@ -3,6 +3,7 @@
     python -m experiments.convergence [--suite main|ablation|sweep|variants|places|seeds|all]
                                       [--steps 150] [--seeds 0 1 2]
                                       [--config configs/base.py] [--only NAME ...]
+                                      [--set mesh.data=4 ...]
                                       [--out experiments/results/convergence] [--quick]
 
 Every run is `python train.py` in a subprocess with its own workdir under
@@ -32,6 +33,17 @@ Every run is `python train.py` in a subprocess with its own workdir under
             and >= 600 steps: the presets, the paper's hybrid recipe spelled
             out (so it survives a change of the preset), int4 against int4:rot
             on data gradients, and the candidates for the hybrid preset
+  hops      the slow hop alone (mesh.dcn_data=2): data gradients int4:rot and
+            parameters int8 between the two halves of the data axis, raw
+            inside each, against the same codecs over the whole data axis.
+            Needs a data axis of >= 4 (a fast hop of >= 2): run it with
+            --set mesh.data=4 --set mesh.tensor=2 --set mesh.pipeline=1
+            and an --out of its own, so that its baseline has that mesh too
+
+--set KEY=VALUE (repeatable) sets a config field for every run of the
+invocation, the baseline included: --set mesh.data=4 trains every run on
+that mesh. Give such an invocation its own --out: gaps are taken against
+the baseline found there.
 
 --seeds S ... runs every chosen setting once per seed (config field `seed`: it
 sets the initial weights and the data order alike), seed-major, so that an
@@ -80,7 +92,7 @@ from jcomp.train import metrics as metrics_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 AXES = ("data", "tensor", "pipeline")
-SUITES = ("main", "ablation", "sweep", "variants", "places", "seeds", "ef")
+SUITES = ("main", "ablation", "sweep", "variants", "places", "seeds", "ef", "hops")
 GRAD_SWEEP = ("int8", "int4", "int4:rot", "int2", "topk:0.1", "topk:0.01")
 ACT_SWEEP = ("int8", "int4", "int2")
 PSGD = "powersgd:rank=4"
@@ -194,6 +206,15 @@ def run_specs() -> list[dict]:
                          overrides={"data.param": "int8", "data.grad": "int4:rot",
                                     "tensor.act": fp4, "tensor.act_grad": fp4,
                                     "pipeline.act": "int8", "pipeline.act_grad": "nvfp4"}))
+    # Per hop: the data messages coded on the slow hop alone (raw on the fast
+    # one) against the same codecs on the whole data axis. The rig's "perhop"
+    # policy (experiments/network.py) is hop_perhop.
+    flat = {"data.grad": "int4:rot", "data.param": "int8"}
+    runs.append(dict(name="hop_flat", suite="hops", group="main", policy="baseline",
+                     overrides=flat, error_feedback="off"))
+    runs.append(dict(name="hop_perhop", suite="hops", group="main", policy="baseline",
+                     overrides={k.replace("data.", "dcn."): v for k, v in flat.items()},
+                     error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
     return runs
 
 
@@ -430,6 +451,31 @@ def _git_commit() -> str | None:
         return None
 
 
+def _key_value(item: str):
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set {item!r}: want KEY=VALUE, e.g. mesh.data=4")
+    return key, value
+
+
+def apply_sets(cfg, sets) -> None:
+    """Sets each (dotted key, string value) of --set on `cfg`, cast to the type
+    the field has; ValueError naming the key for an unknown field or bad value."""
+    for key, value in sets:
+        *parents, leaf = key.split(".")
+        node = cfg
+        try:
+            for part in parents:
+                node = node[part]
+            old = node[leaf]
+        except (KeyError, AttributeError, TypeError):
+            raise ValueError(f"--set {key}: no such config field") from None
+        try:
+            node[leaf] = (value.lower() in ("1", "true")) if isinstance(old, bool) else type(old)(value)
+        except ValueError:
+            raise ValueError(f"--set {key}={value}: want a {type(old).__name__}") from None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", default="main", help=", ".join(SUITES) + " or all")
@@ -442,6 +488,8 @@ def parse_args(argv=None):
                    help="optim.lr of every run (default: the config's); give each rate its --out")
     p.add_argument("--seeds", nargs="+", type=int, default=[0],
                    help="config seeds: every run once per seed (default 0)")
+    p.add_argument("--set", type=_key_value, action="append", default=[],
+                   help="KEY=VALUE: a config field for every run (repeatable), e.g. mesh.data=4")
     p.add_argument("--out", default=DEFAULT_OUT, help="workdirs, logs, summary.json and plots")
     p.add_argument("--quick", action="store_true", help="a few steps of configs/tiny.py")
     p.add_argument("--summarize-only", action="store_true",
@@ -475,6 +523,7 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         specs = select(args.suite, args.only)
         cfg = load_config(args.config)
+        apply_sets(cfg, args.set)
     except ValueError as e:
         print(f"convergence.py: error: {e}", file=sys.stderr)
         return 2
@@ -483,7 +532,8 @@ def main(argv=None) -> int:
 
     def args_of(spec, seed=0):
         lr = [] if args.lr is None else [f"--config.optim.lr={args.lr!r}"]
-        return train_args(spec, args.config, args.steps, args.eval_every, args.warmup, seed) + lr
+        sets = [f"--config.{k}={v}" for k, v in args.set]
+        return train_args(spec, args.config, args.steps, args.eval_every, args.warmup, seed) + lr + sets
 
     walls = {}
     for seed in [] if args.summarize_only else args.seeds:  # seed-major: whole seeds first
