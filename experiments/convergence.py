@@ -473,7 +473,7 @@ def apply_sets(cfg, sets) -> None:
         try:
             node[leaf] = (value.lower() in ("1", "true")) if isinstance(old, bool) else type(old)(value)
         except ValueError:
-            raise ValueError(f"--set {key}={value}: want a {type(old).__name__}") from None
+            raise ValueError(f"--set {key}={value}: must be of type {type(old).__name__}") from None
 
 
 def parse_args(argv=None):

@@ -105,6 +105,11 @@ POLICIES = {  # name -> config.compression overrides
     # and a fast one inside each; only what crosses the slow hop is coded.
     "perhop": {"policy": "baseline", "mesh.dcn_data": "2", "dcn.grad": "int4:rot",
                "dcn.param": "int8"},
+    # The hybrid preset with its data messages moved to the slow hop (raw on the
+    # fast one): against "hybrid" it differs only in where the data axis codes,
+    # so the two compare the hops alone. configs/multinode.py's compression.
+    "hybrid_perhop": {"policy": "hybrid", "mesh.dcn_data": "2", "data.grad": "none",
+                      "data.param": "none", "dcn.grad": "int4:rot", "dcn.param": "int8"},
 }
 
 

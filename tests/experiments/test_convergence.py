@@ -200,6 +200,32 @@ def test_suites_and_bad_arguments():
         conv.parse_args(["--steps", "10", "--warmup", "10"])
 
 
+def test_the_hops_suite_codes_the_same_data_messages_on_one_hop_or_the_whole_axis():
+    specs = {s["name"]: s for s in conv.select("hops")}
+    assert list(specs) == ["baseline", "hop_flat", "hop_perhop"]
+    flat = conv.train_args(specs["hop_flat"], "configs/base.py", 600, 120, 60)
+    perhop = conv.train_args(specs["hop_perhop"], "configs/base.py", 600, 120, 60)
+    assert {"--config.compression.data.grad=int4:rot",
+            "--config.compression.data.param=int8"} <= set(flat)
+    assert {"--config.compression.dcn.grad=int4:rot", "--config.compression.dcn.param=int8",
+            "--config.mesh.dcn_data=2"} <= set(perhop)
+    assert not any(a.startswith("--config.compression.data.") for a in perhop)
+
+
+def test_set_overrides_typed_config_fields_and_names_a_bad_one():
+    cfg = conv.load_config("configs/base.py")
+    conv.apply_sets(cfg, [("mesh.data", "4"), ("optim.lr", "0.01"), ("train.remat", "true")])
+    assert (cfg.mesh.data, cfg.optim.lr, cfg.train.remat) == (4, 0.01, True)
+    with pytest.raises(ValueError, match="--set mesh.dat: no such config field"):
+        conv.apply_sets(cfg, [("mesh.dat", "4")])
+    with pytest.raises(ValueError, match="--set mesh.data=four: must be of type int"):
+        conv.apply_sets(cfg, [("mesh.data", "four")])
+    args = conv.parse_args(["--set", "mesh.data=4", "--set", "mesh.pipeline=1"])
+    assert args.set == [("mesh.data", "4"), ("mesh.pipeline", "1")]
+    with pytest.raises(SystemExit):
+        conv.parse_args(["--set", "mesh.data"])
+
+
 def test_closest_bytes_pair_and_claims():
     def run(name, gap, ratio):
         return dict(name=name, gap_pct=gap, byte_ratio=ratio, wire_bytes_total=1000 * ratio)

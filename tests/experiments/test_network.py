@@ -322,6 +322,7 @@ def test_the_hops_section_compares_per_hop_with_flat_hybrid_side_by_side():
     rows = [row("baseline", 2.0, 8e6, repeat=i) for i in range(3)]
     rows += [row("hybrid", s, 2e6, repeat=i) for i, s in enumerate((1.0, 1.2, 5.0))]
     rows += [row("perhop", s, 1e6, slow=0.9e6, repeat=i) for i, s in enumerate((0.6, 0.5, 0.7))]
+    rows += [row("hybrid_perhop", s, 1.5e6, slow=1.2e6, repeat=i) for i, s in enumerate((1.8, 1.5))]
     text, claims = rep.hops_section({"rows": rows, "warm_steps": 2})
     table = {l.split("|")[2].strip(): l.split("|")[1:-1] for l in text.splitlines()
              if l.startswith("| 100mbit")}
@@ -329,9 +330,13 @@ def test_the_hops_section_compares_per_hop_with_flat_hybrid_side_by_side():
     assert table["hybrid"][2].strip() == "1.200" and table["hybrid"][4].strip() == "0.60"
     assert table["perhop"][7].strip() == "0.900" and table["perhop"][8].strip() == "1.000"
     assert table["baseline"][7].strip() == "n/a"
-    assert claims == ["Two hops at 100mbit: per hop (raw inside a process, coded across) takes "
-                      "0.50x the flat hybrid's step time and sends 0.50x its bytes over the slow "
-                      "link (medians of the runs, side by side)."]
+    assert claims == [
+        "Two hops at 100mbit: perhop (data messages raw inside a process and coded across, the "
+        "rest raw) takes 0.50x the flat hybrid's step time and sends 0.50x its bytes over the "
+        "slow link (medians of the runs, side by side).",
+        "Two hops at 100mbit: hybrid_perhop (the hybrid preset with its data messages coded "
+        "across processes only) takes 1.38x the flat hybrid's step time and sends 0.75x its "
+        "bytes over the slow link (medians of the runs, side by side)."]
     assert rep.commands({"rows": rows})[0].startswith("python -m experiments.network --hops ")
 
 
