@@ -279,17 +279,53 @@ def in_use(workdir: str) -> bool:
     return False
 
 
-def run_one(spec, workdir, args, log) -> float:
-    """Runs train.py for one spec; returns wall seconds. RuntimeError if it fails."""
+# What XLA's CPU runtime prints when it ends a process whose emulated devices
+# wait in collectives that never complete (docs/trainer.md, "Known problem").
+STUCK = "Termination timeout for"
+RESTARTS_FILE = "restarts.json"  # in a run's workdir: each restart after a stuck step
+
+
+def run_one(spec, workdir, args, log, restarts: int = 1) -> float:
+    """Runs train.py for one spec; returns wall seconds. RuntimeError if it fails.
+
+    A run that XLA's CPU runtime ended because its devices waited in collectives
+    that never completed (STUCK in its log) is rerun up to `restarts` times:
+    train.py resumes it from its last checkpoint, bit for bit the run it would
+    have been. Each restart is recorded in the workdir's restarts.json (the
+    last step the failed attempt logged, and its log, kept in the workdir), and
+    the summary reports it. Any other failure is not retried."""
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args, f"--workdir={workdir}"]
     t0 = time.perf_counter()
-    with open(workdir + ".log", "w") as f:
-        rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    for attempt in range(restarts + 1):
+        with open(workdir + ".log", "w") as f:
+            rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        if rc == 0:
+            break
+        with open(f.name, errors="replace") as f:
+            stuck = STUCK in f.read()
+        if not stuck or attempt == restarts:
+            raise RuntimeError(f"run {os.path.basename(workdir)} failed (exit {rc}); "
+                               f"see {f.name}")
+        os.makedirs(workdir, exist_ok=True)
+        kept = os.path.join(workdir, f"stuck{attempt + 1}.log")  # kept in git, as evidence
+        os.replace(f.name, kept)
+        _record_restart(workdir, kept)
+        print(f"{os.path.basename(workdir)}: stuck in a collective (exit {rc}); resuming "
+              f"from its last checkpoint ({os.path.basename(kept)})", file=log, flush=True)
     wall = time.perf_counter() - t0
-    if rc != 0:
-        raise RuntimeError(f"run {os.path.basename(workdir)} failed (exit {rc}); see {f.name}")
     print(f"{os.path.basename(workdir)}: done in {wall:.0f} s", file=log, flush=True)
     return wall
+
+
+def _record_restart(workdir: str, kept_log: str) -> None:
+    metrics = os.path.join(workdir, metrics_lib.METRICS_FILE)
+    records = metrics_lib.read_metrics(metrics) if os.path.exists(metrics) else []
+    path = os.path.join(workdir, RESTARTS_FILE)
+    done = json.load(open(path)) if os.path.exists(path) else []
+    done.append(dict(stuck_after_step=max((r["step"] for r in records), default=0),
+                     log=os.path.basename(kept_log)))
+    with open(path, "w") as f:
+        json.dump(done, f, indent=1)
 
 
 # ---------------------------------------------------------------- summary
@@ -405,6 +441,9 @@ def collect(out: str, steps: int, args_of, seeds=(0,)) -> list[dict]:
             # Runs of a sweep may come from several commits; each keeps its own.
             row["git_commit"] = (open(commit_path).read().strip() or None
                                  if os.path.exists(commit_path) else None)
+            restarts_path = os.path.join(workdir, RESTARTS_FILE)
+            if os.path.exists(restarts_path):
+                row["restarts"] = json.load(open(restarts_path))
             at_seed.append(row)
         if any(r["name"] == "baseline" for r in at_seed):
             add_comparisons(at_seed)

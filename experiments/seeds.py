@@ -302,6 +302,13 @@ def section(summary: dict, rel_dir: str, compressed_what, table) -> str:
                 }.get(name, f"seed {summary['seeds'][0]}'s runs")
         kind = "loss gap against bytes" if name == "frontier" else f"{name} loss curves"
         out.append(f"\n![{kind}]({rel_dir}/{png}) `{rel_dir}/{png}`: {what}.")
+    resumed = [f"{r['name']} seed {r['seed']} (after step {x['stuck_after_step']})"
+               for r in summary.get("runs", []) for x in r.get("restarts", [])]
+    if resumed:
+        out += ["", "Resumed from their last checkpoint after XLA's CPU runtime ended them, "
+                "their emulated devices waiting in collectives that never completed (the "
+                "first attempt's log is stuck1.log in the run's folder; a resumed run is "
+                "bit for bit the uninterrupted one): " + "; ".join(resumed) + "."]
     return "\n".join(out)
 
 

@@ -226,6 +226,42 @@ def test_set_overrides_typed_config_fields_and_names_a_bad_one():
         conv.parse_args(["--set", "mesh.data"])
 
 
+def test_a_run_stuck_in_a_collective_resumes_once_and_says_so(tmp_path, monkeypatch):
+    """XLA's CPU runtime ends a run whose devices wait in collectives that never
+    complete; the runner resumes it once and records it. Any other failure, or a
+    second stuck attempt, ends the suite."""
+    workdir = str(tmp_path / "perhop-600steps")
+    calls = []
+
+    def fake_call(cmd, cwd, stdout, stderr, outcomes):
+        calls.append(cmd)
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": 10 * len(calls)}) + "\n")
+        rc, text = outcomes[len(calls) - 1]
+        stdout.write(text)
+        return rc
+
+    stuck = (-6, "F1204 rendezvous.cc:161] Termination timeout for `all to all ...` of 40 s\n")
+    monkeypatch.setattr(conv.subprocess, "call",
+                        lambda *a, **k: fake_call(*a, **k, outcomes=[stuck, (0, "ok\n")]))
+    log = open(tmp_path / "suite.log", "w")
+    conv.run_one({}, workdir, ["--config=configs/tiny.py"], log)
+    assert len(calls) == 2 and calls[0] == calls[1]
+    assert json.load(open(os.path.join(workdir, conv.RESTARTS_FILE))) == [
+        {"stuck_after_step": 10, "log": "stuck1.log"}]
+    assert "Termination timeout" in open(os.path.join(workdir, "stuck1.log")).read()
+    assert open(workdir + ".log").read() == "ok\n"
+
+    for outcomes in ([(1, "Traceback: ValueError\n")], [stuck, stuck]):
+        calls.clear()
+        monkeypatch.setattr(conv.subprocess, "call",
+                            lambda *a, outcomes=outcomes, **k: fake_call(*a, **k, outcomes=outcomes))
+        with pytest.raises(RuntimeError, match="failed"):
+            conv.run_one({}, workdir, [], log)
+        assert len(calls) == len(outcomes)
+
+
 def test_closest_bytes_pair_and_claims():
     def run(name, gap, ratio):
         return dict(name=name, gap_pct=gap, byte_ratio=ratio, wire_bytes_total=1000 * ratio)
@@ -409,6 +445,15 @@ def test_the_frontier_keeps_the_settings_no_other_beats_on_bytes_and_interval():
     assert [r.split("|")[1].strip() for r in rows] == got
     assert rows[1].split("|")[-2].strip() == "yes" and rows[2].split("|")[-2].strip() == "no"
     assert "![loss gap against bytes](results/x/f.png)" in text
+    assert "Resumed" not in text
+    runs = [dict(name="mid_good", seed=1, restarts=[{"stuck_after_step": 560, "log": "stuck1.log"}])]
+    text = seeds_lib.section(dict(model=dict(d_model=8, n_layers=1), steps=600, seeds=[0, 1, 2],
+                                  config="c", batch_size=2, seq_len=4, mesh=[2, 2, 2],
+                                  warmup_steps=1, plots={}, runs=runs,
+                                  settings=[dict(s, seeds=[0, 1, 2], val_loss=s["gap_pct"],
+                                                 git_commits=["abc"]) for s in sts]),
+                             "results/x", lambda s: "-", report.table)
+    assert text.rstrip().endswith("mid_good seed 1 (after step 560).")
 
 
 def test_hybrid_preset_setting_matches_the_policy_table():
