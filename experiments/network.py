@@ -265,11 +265,12 @@ def summarize(raw: dict, warm_steps: int) -> dict:
 # ---------------------------------------------------------------- the sweep
 
 def git_commit() -> tuple[str, bool]:
-    """(HEAD, whether tracked files differ from it)."""
+    """(HEAD, whether tracked files other than the results differ from it: a
+    sweep's own rows, written into experiments/results, leave the code clean)."""
     try:
         head = _run("git", "-C", ROOT, "rev-parse", "HEAD").stdout.strip()
-        dirty = bool(_run("git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no")
-                     .stdout.strip())
+        dirty = bool(_run("git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no",
+                          "--", ".", ":(exclude)experiments/results").stdout.strip())
         return head, dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown", True
