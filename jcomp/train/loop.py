@@ -184,6 +184,10 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                 sent = record["wire_bytes_total"]
                 if logged_phase is None:
                     bar.write(_start_table(run, phase, report))
+                    if syncs:
+                        syncs.prepare(state)
+                        bar.write(syncs.start_line(report.by_axis().get(outer_lib.AXIS, 0.0)))
+                        record["outer_bytes_per_step"] = syncs.bytes_per_step()
                 if "compression_changes" in record:
                     _log.info("step %d: compression schedule: %s", done,
                               record["compression_changes"])

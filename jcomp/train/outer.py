@@ -1,11 +1,11 @@
 """The outer loop of low-communication training (DiLoCo, Streaming DiLoCo) in
 the trainer: config.outer, the islands' train state and the sync program.
 
-    outer = settings(cfg.outer)                   # UsageError naming the field, or None (off)
-    state = lift(step.init_state(...), run, mesh, tx)    # every island's copy + the outer state
+    outer = settings(cfg.outer)             # UsageError naming the field, or None (off)
+    state = lift(step.init_state(...), run, mesh, shapes, tx)  # islands' copies + outer state
     syncs = Syncs(run, mesh, shapes, tx)
     for f in due(done, outer):                    # after inner step `done`
-        state, seconds = syncs.run(f, state, done)
+        state, seconds = syncs.run_sync(f, state, done)
 
 Islands. The mesh is ('dcn', 'data', 'tensor', 'pipeline'): each index of
 'dcn' is an island (with mesh.dcn_data = k > 1 the k slow-hop groups; with
@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import textwrap
 import time
 
 import jax
@@ -49,9 +50,13 @@ from jcomp import collectives as cc
 from jcomp.gpt import sharding, step, zero
 from jcomp.meter import wire
 from jcomp.train.faults import UsageError
+from jcomp.train.traffic import WIDTH, human
 
 AXIS = "dcn"  # the islands' mesh axis
 FIELDS = ("every", "codec", "error_feedback", "lr", "momentum", "fragments")
+# Codecs that draw (":sr", randk) get fold_in(fold_in(key(seed), KEY_STREAM), step):
+# a stream apart from the inner step's, a pure function of the step (resumes draw alike).
+KEY_STREAM = 0x5D1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,16 +204,17 @@ def lift(single, run, mesh, params_shapes, tx):
     groups = groups_of(run, params_shapes, mesh, tx)
     ospecs = _outer_specs(run, zspecs, groups)
     named = lambda s: NamedSharding(mesh, s)
-    master = jax.tree.leaves(single["zero"]["master"])
     tx_outer = run.outer.tx()
 
-    def make():
-        out = {"anchor": jax.tree.map(jnp.copy, single["zero"]["master"]),
-               "opt": [tx_outer.init([master[i] for i in g]) for g in groups]}
+    def make(master, master_IxX):
+        leaves = jax.tree.leaves(master)
+        out = {"anchor": jax.tree.map(jnp.copy, master),
+               "opt": [tx_outer.init([leaves[i] for i in g]) for g in groups]}
         if run.outer.error_feedback:
-            out["residual"] = jax.tree.map(jnp.zeros_like, state["zero"]["master"])
+            out["residual"] = jax.tree.map(jnp.zeros_like, master_IxX)
         return out
-    outer = jax.jit(make, out_shardings=jax.tree.map(named, ospecs, is_leaf=_is_spec))()
+    outer = jax.jit(make, out_shardings=jax.tree.map(named, ospecs, is_leaf=_is_spec))(
+        single["zero"]["master"], state["zero"]["master"])
     return {**state, "outer": outer}
 
 
@@ -272,7 +278,8 @@ def make_sync(run, mesh, params_shapes, tx, fragment: int, groups):
         res = jax.tree.leaves(state["outer"]["residual"]) if fed else None
         ost = cc.OuterState([anchor[i] for i in idx], state["outer"]["opt"][fragment],
                             [res[i] for i in idx] if fed else None)
-        key = jax.random.fold_in(jax.random.key(run.seed), step_no) if needs_key else None
+        key = (jax.random.fold_in(jax.random.fold_in(jax.random.key(run.seed), KEY_STREAM),
+                                  step_no) if needs_key else None)
         new_m, new_ost = cc.outer_sync([masters[i] for i in idx], ost, tx=tx_outer, mesh=mesh,
                                        axis=AXIS, codec=o.codec,
                                        param_specs=[zleaves[i] for i in idx], key=key,
@@ -305,6 +312,22 @@ class Syncs:
         self._exe: list = []
         self.bytes_per_sync: list[float] = []  # per fragment, sent per device across islands
 
+    def prepare(self, state):
+        """Compiles every fragment's sync for `state` (once)."""
+        if not self._exe:
+            self._compile(state)
+
+    def start_line(self, inner_bytes: float) -> str:
+        """What a run prints under its start table (after `prepare`)."""
+        o = self.run.outer
+        frag = f", {o.fragments} fragments in turn" if o.fragments > 1 else ""
+        return textwrap.fill(
+            f"Outer loop: {self.run.islands} islands, each fragment synced every {o.every} "
+                f"steps{frag}, pseudo-gradients {o.codec}: {human(sum(self.bytes_per_sync))} "
+                f"per {o.every} steps across islands per device "
+                f"({human(self.bytes_per_step())} per inner step; the inner step sends "
+                f"{human(inner_bytes)} across islands).", WIDTH, subsequent_indent="  ")
+
     def _compile(self, state):
         step_no = jnp.zeros((), jnp.int32)
         for f in range(self.run.outer.fragments):
@@ -321,8 +344,7 @@ class Syncs:
 
     def run_sync(self, fragment: int, state, done: int):
         """-> (state after fragment `fragment`'s sync after step `done`, seconds)."""
-        if not self._exe:
-            self._compile(state)
+        self.prepare(state)
         t0 = time.perf_counter()
         state = self._exe[fragment](state, jnp.asarray(done, jnp.int32))
         jax.block_until_ready(state)
