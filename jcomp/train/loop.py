@@ -76,7 +76,8 @@ def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None,
                        hooks: hooks_lib.Hooks | None = None) -> dict:
     """Trains per `cfg`, resuming from `workdir` when it holds checkpoints.
     Returns the last step's metrics record ({} when stopped before the first
-    step) with what its compiled step sends added (`_with_traffic`).
+    step) with what its compiled step sends added (`_with_traffic`), and with an
+    outer loop what its syncs send across islands per inner step.
     `stop`: signal handling installed by the caller (otherwise installed here).
     `hooks`: a `jcomp.train.hooks.Hooks` the loop calls at its defined points."""
     own_stop = stop is None
@@ -213,7 +214,10 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             if stopping:
                 _log.warning("stop requested: saved step %d", done)
                 break
-    return _with_traffic(last, run, steps) if last else last
+    if not last:
+        return last
+    last = _with_traffic(last, run, steps)
+    return {**last, "outer_bytes_per_step": syncs.bytes_per_step()} if syncs else last
 
 
 def _start_table(run, phase, report) -> str:

@@ -61,13 +61,16 @@ def full(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("outer") / "full")
     proc = run(workdir, *OUTER)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(workdir + ".stdout", "w") as f:
+        f.write(proc.stdout)
     return workdir
 
 
 def test_syncs_are_logged_with_their_bytes_and_time(full):
     """Steps 4 and 8 synced: outer_sync_s, outer_bytes_per_sync (> 0, read from the
     compiled sync) and outer_bytes_per_step = per sync / H; no inner step sends
-    anything across islands (no wire_bytes_dcn on the first record)."""
+    anything across islands (no wire_bytes_dcn on the first record). The start
+    text and the closing line say what crosses between islands per step."""
     recs = records(full)
     assert sorted(s for s, r in recs.items() if "outer_sync_s" in r) == [4, 8]
     for s in (4, 8):
@@ -76,6 +79,14 @@ def test_syncs_are_logged_with_their_bytes_and_time(full):
         assert r["outer_bytes_per_step"] == r["outer_bytes_per_sync"] / 4
         assert "val_loss" in r
     assert recs[1].get("wire_bytes_dcn", 0) == 0 and "wire_bytes_total" in recs[1]
+    assert recs[1]["outer_bytes_per_step"] == recs[4]["outer_bytes_per_step"]
+    with open(full + ".stdout") as f:
+        out = f.read()
+    from jcomp.train.traffic import human
+    per_step = human(recs[4]["outer_bytes_per_step"])
+    assert f"({per_step} per inner step; the inner step sends 0 B across islands)" in \
+        " ".join(out.split()), out
+    assert f"(+ {per_step}/step across islands, outer loop)" in out.splitlines()[-1]
 
 
 def test_kill_mid_interval_resumes_bit_for_bit(full, tmp_path):
