@@ -1,7 +1,8 @@
 """Tests for jcomp.train.outer: the outer loop of the trainer (config.outer).
 
 In process, on configs/tiny.py's model: the run is built as the loop builds it
-(`_Run`), the inner steps and syncs called in the loop's order."""
+(`_Run`), the inner steps and syncs called in the loop's order (those tests
+compile whole train steps: marked slow)."""
 import jax
 import numpy as np
 import pytest
@@ -58,6 +59,7 @@ SGD = {"optim.name": "sgd", "optim.b1": 0.0, "optim.weight_decay": 0.0, "optim.c
 H1 = {"outer.every": 1, "outer.codec": "none", "outer.lr": 1.0, "outer.momentum": 0.0}
 
 
+@pytest.mark.slow  # compiles whole train steps and syncs
 def test_h1_with_sgd_inside_is_the_data_parallel_sgd_run():
     """The identity that holds: with plain SGD inside (no momentum, no weight
     decay, no clipping), H=1, codec "none", outer lr 1 and no momentum, the
@@ -84,6 +86,7 @@ def test_h1_with_sgd_inside_is_the_data_parallel_sgd_run():
     print(f"largest deviation: {worst:.2f} ulp per step")
 
 
+@pytest.mark.slow  # compiles whole train steps and syncs
 def test_inner_steps_send_nothing_across_islands_and_a_sync_sends_the_codec():
     """mesh.dcn_data=2 on data 4 x tensor 2 (two islands of 2 data ranks): the
     compiled inner step sends 0 bytes on 'dcn' and reduces over 'data'; a sync
@@ -105,6 +108,7 @@ def test_inner_steps_send_nothing_across_islands_and_a_sync_sends_the_codec():
             assert np.array_equal(p[0], p[1])
 
 
+@pytest.mark.slow  # compiles whole train steps and syncs
 def test_fragments_sync_in_turn():
     """outer.fragments=2, every=2: fragment 0 syncs after steps 2, 4, fragment 1
     after steps 1, 3. A master leaf's anchor changes only at its fragment's
