@@ -37,6 +37,7 @@ from jcomp.train import metrics as metrics_lib
 from jcomp.train import outer as outer_lib
 from jcomp.train import traffic
 from jcomp.gpt import schedule as schedule_lib
+from jcomp.gpt import step as step_lib
 from jcomp.train.runspec import RunSpec, validate
 from jcomp.train.stepcache import StepCache, global_batch
 
@@ -189,6 +190,8 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                         syncs.prepare(state)
                         bar.write(syncs.start_line(report.by_axis().get(outer_lib.AXIS, 0.0)))
                         record["outer_bytes_per_step"] = syncs.bytes_per_step()
+                        record["outer_state_bytes_per_device"] = \
+                            step_lib.device_bytes(state["outer"])
                 if "compression_changes" in record:
                     _log.info("step %d: compression schedule: %s", done,
                               record["compression_changes"])

@@ -247,6 +247,12 @@ def validate(cfg, n_devices: int) -> RunSpec:
     except (TypeError, ValueError) as e:
         raise UsageError(f"mesh: {e}") from None
     outer = outer_lib.settings(cfg.get("outer"))
+    first_sync = outer.every // outer.fragments if outer and outer.fragments > 1 else \
+        (outer.every if outer else 0)
+    if outer and first_sync > cfg.train.steps:
+        raise UsageError(f"outer.every={outer.every}: no sync would run within train.steps="
+                         f"{cfg.train.steps} (the first after step {first_sync}); allowed: "
+                         f"outer.every <= train.steps (x outer.fragments), or 0")
     split = _islands(cfg, outer, shape, dcn_data) if outer else dcn_data
     try:
         mesh_shape = mesh_lib.axis_sizes(shape, split)

@@ -164,6 +164,7 @@ BAD = [
     ({"outer.every": 4, "outer.codec": "powersgd:4"}, "outer.codec='powersgd:4'"),
     ({"outer.every": 4, "outer.momentum": 1.0}, "outer.momentum=1.0; allowed: a number in [0, 1)"),
     ({"outer.every": 4, "outer.lr": 0.0}, "outer.lr=0.0; allowed: a number > 0"),
+    ({"outer.every": 13}, "outer.every=13: no sync would run within train.steps=12"),
     ({"outer.every": 4, "outer.error_feedback": "yes"}, "outer.error_feedback='yes'"),
     ({"outer.every": 4, "outer.error_feedback": "on"}, "nothing to feed back"),
     ({"outer.every": 4, "mesh.data": 1, "mesh.tensor": 4}, "needs at least 2 islands"),

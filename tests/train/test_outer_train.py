@@ -80,6 +80,7 @@ def test_syncs_are_logged_with_their_bytes_and_time(full):
         assert "val_loss" in r
     assert recs[1].get("wire_bytes_dcn", 0) == 0 and "wire_bytes_total" in recs[1]
     assert recs[1]["outer_bytes_per_step"] == recs[4]["outer_bytes_per_step"]
+    assert recs[1]["outer_state_bytes_per_device"] > 0
     with open(full + ".stdout") as f:
         out = f.read()
     from jcomp.train.traffic import human
