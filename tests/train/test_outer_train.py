@@ -119,3 +119,14 @@ def test_a_resume_that_changes_an_outer_setting_is_refused(full, tmp_path, arg, 
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert says in lines[0], lines[0]
+
+
+def test_a_bad_outer_field_exits_2_with_one_line_and_no_workdir(tmp_path):
+    workdir = tmp_path / "w"
+    proc = run(str(workdir), "--config=configs/tiny.py", "--config.outer.every=4",
+               "--config.outer.fragments=3", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "outer.fragments=3 does not divide outer.every=4" in lines[0], lines[0]
+    assert not workdir.exists()
