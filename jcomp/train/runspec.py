@@ -247,12 +247,6 @@ def validate(cfg, n_devices: int) -> RunSpec:
     except (TypeError, ValueError) as e:
         raise UsageError(f"mesh: {e}") from None
     outer = outer_lib.settings(cfg.get("outer"))
-    first_sync = outer.every // outer.fragments if outer and outer.fragments > 1 else \
-        (outer.every if outer else 0)
-    if outer and first_sync > cfg.train.steps:
-        raise UsageError(f"outer.every={outer.every}: no sync would run within train.steps="
-                         f"{cfg.train.steps} (the first after step {first_sync}); allowed: "
-                         f"outer.every <= train.steps (x outer.fragments), or 0")
     split = _islands(cfg, outer, shape, dcn_data) if outer else dcn_data
     try:
         mesh_shape = mesh_lib.axis_sizes(shape, split)
@@ -267,6 +261,11 @@ def validate(cfg, n_devices: int) -> RunSpec:
         _positive(cfg, name)
     for name in ("optim.warmup_steps", "compression.warmup_steps", "data.val_permille", "seed"):
         _positive(cfg, name, zero_ok=True)
+    if outer and outer.every // outer.fragments > cfg.train.steps:
+        raise UsageError(f"outer.every={outer.every}: no sync would run within train.steps="
+                         f"{cfg.train.steps} (the first after step "
+                         f"{outer.every // outer.fragments}); allowed: outer.every <= "
+                         "train.steps (x outer.fragments), or 0")
     if cfg.seed > MAX_SEED:  # jax.random.key takes a signed 64-bit seed
         raise UsageError(f"seed must be <= {MAX_SEED} (2**63 - 1); got {cfg.seed}")
     for name in ("optim.lr", "compression.bucket_mib"):
