@@ -26,7 +26,8 @@ class _Run:
         self.shapes = jax.eval_shape(make)
         self.state = resume.init_state(self.run, make(), self.mesh, self.tx, self.shapes)
         self.steps = StepCache(self.run, self.mesh, self.tx, self.shapes)
-        self.syncs = outer.Syncs(self.run, self.mesh, self.shapes, self.tx) if self.run.outer else None
+        self.syncs = (outer.Syncs(self.run, self.mesh, self.shapes, self.tx)
+                      if self.run.outer else None)
         self.done = 0
 
     def batch(self, seed):
