@@ -248,7 +248,10 @@ def main(argv, full_argv=None, hooks=None):
                                last.get("uncompressed_measured", False))
         print(f"step {last['step']}: loss {last['loss']:.4f}"
               + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
-              + f"; {sent}; metrics in {os.path.join(workdir, 'metrics.jsonl')}")
+              + f"; {sent}"
+              + (f" (+ {traffic.human(last['outer_bytes_per_step'])}/step across islands, "
+                 "outer loop)" if "outer_bytes_per_step" in last else "")
+              + f"; metrics in {os.path.join(workdir, 'metrics.jsonl')}")
     if FLAGS.coordinator_address or FLAGS.distributed:
         jax.distributed.shutdown()
 

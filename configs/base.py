@@ -70,5 +70,15 @@ def get_config():
     c.compression.stages = ml_collections.ConfigDict(
         dict(pipeline=ml_collections.ConfigDict(dict(act="", act_grad=""))))
 
+    # The outer loop of low-communication training (DiLoCo): islands (the slow-hop
+    # groups of mesh.dcn_data, else every data rank) train alone for `every` steps
+    # (0: off, every step syncs as usual), then average their pseudo-gradients coded
+    # with `codec` ("none", "int4:rot", "topk:0.03", ...; error feedback "on"/"off"),
+    # and SGD with Nesterov momentum (lr, momentum; 0: none) moves the anchor.
+    # fragments=F > 1 (Streaming DiLoCo): F groups of leaves sync in turn, every/F
+    # steps apart. See jcomp/train/outer.py and docs/trainer.md.
+    c.outer = ml_collections.ConfigDict(dict(every=0, codec="none", error_feedback="off",
+                                             lr=0.7, momentum=0.9, fragments=1))
+
     c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3))
     return c

@@ -301,7 +301,7 @@ def _norm_global(xs, axes_per_leaf):
     return jnp.sqrt(sum(lax.psum(v, axes) for axes, v in buckets.items()))
 
 
-def _check_grad(name, g, axes, data_axes=("data",)):
+def _check_grad(name, g, axes, data_axes=("data",), islands=()):
     varying = jax.typeof(g).mat.varying
     if not set(data_axes) <= set(varying):
         over = " and ".join(repr(a) for a in data_axes)
@@ -309,20 +309,20 @@ def _check_grad(name, g, axes, data_axes=("data",)):
             f"grads{name}: must be the local gradient, varying over {over}; cast the params "
             f"with lax.pcast(p, {tuple(data_axes)!r}, to='varying') before differentiating so "
             "that no automatic full-precision psum runs")
-    extra = set(varying) - {*data_axes, *axes}
+    extra = set(varying) - {*data_axes, *axes, *islands}
     if extra:
         raise ValueError(f"grads{name}: varies over {sorted(extra)} but its param spec only "
                          f"splits it over {axes}; reduce those partial sums first")
 
 
-def _padded_grads(grads, p_leaves, masters, axes, multiple, data_axes=("data",)):
+def _padded_grads(grads, p_leaves, masters, axes, multiple, data_axes=("data",), islands=()):
     """Local gradients -> zero-padded flat [D*c] buffers, after checking their
     varying axes and that the state fits the layout."""
     named = jax.tree_util.tree_flatten_with_path(grads)[0]
     d, flats = lax.axis_size(data_axes), []
     for (path, g), p, m, ax in zip(named, p_leaves, masters, axes):
         name = jax.tree_util.keystr(path)
-        _check_grad(name, g, ax, data_axes)
+        _check_grad(name, g, ax, data_axes, islands)
         c = shard_len(p.size, d, multiple)
         if g.shape != p.shape or m.shape != (1, 1, 1, c):
             raise ValueError(f"grads{name}: shape {g.shape}, param {p.shape} and master shard "
@@ -359,7 +359,8 @@ def _check_plan(plan, layout: Layout):
 
 
 def apply_updates(grads, params, zstate, *, tx, plan, layout: Layout, param_specs,
-                  clip_norm=0.0, step=None, key=None, bucket_bytes=cc.DEFAULT_BUCKET_BYTES):
+                  clip_norm=0.0, step=None, key=None, bucket_bytes=cc.DEFAULT_BUCKET_BYTES,
+                  islands=None):
     """One ZeRO step inside shard_map over ('data', 'tensor', 'pipeline') (and 'dcn'
     with two hops: `layout.data_axes`).
 
@@ -376,6 +377,8 @@ def apply_updates(grads, params, zstate, *, tx, plan, layout: Layout, param_spec
     `key` (folded with `step` when given) feeds codecs that draw randomness.
     bucket_bytes: the gradient reduction and the parameter gather send the leaves
              in flat buffers of at most this many bytes (`jcomp.collectives`).
+    islands: a mesh axis whose indices are islands of their own (an outer loop's,
+             jcomp.gpt.step): everything may vary over it, nothing is reduced over it.
     -> (new params invariant over 'data', new zstate,
         {"grad_norm": global pre-clip norm of the mean gradient,
          "ef_norm": global norm of the new residuals (each rank's, in summed-
@@ -398,7 +401,8 @@ def apply_updates(grads, params, zstate, *, tx, plan, layout: Layout, param_spec
     p_leaves = treedef.flatten_up_to(params)
     masters = treedef.flatten_up_to(zstate["master"])
     data_axes = tuple(layout.data_axes)
-    flats = _padded_grads(grads, p_leaves, masters, axes, layout.multiple, data_axes)
+    flats = _padded_grads(grads, p_leaves, masters, axes, layout.multiple, data_axes,
+                          () if islands is None else (islands,))
     res_leaves = treedef.flatten_up_to(zstate["ef"]) if ef_on else None
     res = [r.reshape(-1) for r in res_leaves] if ef_on else None
     new_qs = None

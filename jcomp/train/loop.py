@@ -34,8 +34,10 @@ from jcomp.train import checkpoint, cluster, data, faults, resume, record as ste
 from jcomp.train import hooks as hooks_lib
 from jcomp.gpt import mesh as mesh_lib
 from jcomp.train import metrics as metrics_lib
+from jcomp.train import outer as outer_lib
 from jcomp.train import traffic
 from jcomp.gpt import schedule as schedule_lib
+from jcomp.gpt import step as step_lib
 from jcomp.train.runspec import RunSpec, validate
 from jcomp.train.stepcache import StepCache, global_batch
 
@@ -75,7 +77,8 @@ def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None,
                        hooks: hooks_lib.Hooks | None = None) -> dict:
     """Trains per `cfg`, resuming from `workdir` when it holds checkpoints.
     Returns the last step's metrics record ({} when stopped before the first
-    step) with what its compiled step sends added (`_with_traffic`).
+    step) with what its compiled step sends added (`_with_traffic`), and with an
+    outer loop what its syncs send across islands per inner step.
     `stop`: signal handling installed by the caller (otherwise installed here).
     `hooks`: a `jcomp.train.hooks.Hooks` the loop calls at its defined points."""
     own_stop = stop is None
@@ -102,7 +105,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     faults.check_workdir(workdir)
     tx = run.optim.tx(run.train.steps)
     _, train_ds, val = load_data(run)
-    mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.dcn_data)
+    mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
     make_params = resume.init_params(run)
     shapes = jax.eval_shape(make_params)
 
@@ -113,6 +116,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     start = resume.restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds)
     state, streak = start.state, start.streak
     steps = StepCache(run, mesh, start.tx, shapes)
+    syncs = outer_lib.Syncs(run, mesh, shapes, start.tx) if run.outer else None
 
     def stopped_before_any_step(i):
         # A signal during setup or the first compile: nothing new exists to save.
@@ -146,12 +150,16 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             phase = schedule_lib.phase_at(run.phases, i)
             if stopped_before_any_step(i):
                 break
-            exe, report = steps.train(phase, state, batch)
+            inner = _inner(state)
+            exe, report = steps.train(phase, inner, batch)
             if stopped_before_any_step(i):
                 break
             profiler.step_starting(done)
             t0 = time.perf_counter()
-            state, m = exe(state, batch)
+            inner, m = exe(inner, batch)
+            state = {**inner, "outer": state["outer"]} if syncs else inner
+            if syncs:
+                m = outer_lib.island_mean(m)
             # Waiting on every step also keeps emulated CPU devices from deadlocking.
             loss = float(m["loss"])
             dt = time.perf_counter() - t0
@@ -160,19 +168,30 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             if streak:
                 _nonfinite(t, done, loss, streak, ckpt)
             record = steprecord.step_record(done, m, loss, dt, lr_at(i), tokens_per_step, phase,
-                                            int(state["skipped"]))
+                                            _skipped(state, syncs))
             if "ef_norm" in record and 0 < t.ef_reset_norm < record["ef_norm"]:
                 state = _reset_ef(state)
                 record["ef_reset"] = True
                 _log.warning("step %d: error-feedback residual norm %.4g exceeds "
                              "train.ef_reset_norm=%g: residuals reset to zero",
                              done, record["ef_norm"], t.ef_reset_norm)
+            for f in outer_lib.due(done, run.outer):
+                state, seconds = syncs.run_sync(f, state, done)
+                record.update(outer_fragment=f, outer_sync_s=seconds,
+                              outer_bytes_per_sync=syncs.bytes_per_sync[f],
+                              outer_bytes_per_step=syncs.bytes_per_step())
             if logged_phase != phase:
                 record.update(steprecord.phase_record(phase, run.plan(phase), logged_phase, report,
                                                        state))
                 sent = record["wire_bytes_total"]
                 if logged_phase is None:
                     bar.write(_start_table(run, phase, report))
+                    if syncs:
+                        syncs.prepare(state)
+                        bar.write(syncs.start_line(report.by_axis().get(outer_lib.AXIS, 0.0)))
+                        record["outer_bytes_per_step"] = syncs.bytes_per_step()
+                        record["outer_state_bytes_per_device"] = \
+                            step_lib.device_bytes(state["outer"])
                 if "compression_changes" in record:
                     _log.info("step %d: compression schedule: %s", done,
                               record["compression_changes"])
@@ -198,7 +217,10 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             if stopping:
                 _log.warning("stop requested: saved step %d", done)
                 break
-    return _with_traffic(last, run, steps) if last else last
+    if not last:
+        return last
+    last = _with_traffic(last, run, steps)
+    return {**last, "outer_bytes_per_step": syncs.bytes_per_step()} if syncs else last
 
 
 def _start_table(run, phase, report) -> str:
@@ -208,7 +230,19 @@ def _start_table(run, phase, report) -> str:
 
 
 def _mesh_sizes(run) -> dict:
-    return run.mesh_sizes()
+    return run.plan_sizes()
+
+
+def _inner(state):
+    """What the train step takes: the state less the outer loop's part."""
+    return {k: v for k, v in state.items() if k != "outer"}
+
+
+def _skipped(state, syncs) -> int:
+    """Updates dropped so far (summed over the islands of an outer run)."""
+    if syncs:
+        return int(outer_lib.island_mean({"skipped": state["skipped"]})["skipped"])
+    return int(state["skipped"])
 
 
 def _with_traffic(last: dict, run, steps: StepCache) -> dict:

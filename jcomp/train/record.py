@@ -59,6 +59,8 @@ def static_metrics(report: wire.WireReport, state) -> dict:
 
 def due(record: dict, step_no: int, log_every: int, total_steps: int) -> bool:
     """Every log_every steps, the last step, and any step whose record carries
-    something rarer: a validation loss, a phase's traffic, an error-feedback reset."""
+    something rarer: a validation loss, a phase's traffic, an error-feedback reset,
+    an outer loop's sync."""
     return (step_no % log_every == 0 or "val_loss" in record or step_no == total_steps
-            or "wire_bytes_total" in record or "ef_reset" in record)
+            or "wire_bytes_total" in record or "ef_reset" in record
+            or "outer_sync_s" in record)

@@ -8,7 +8,8 @@
 A checkpoint is restored only if it was written for this run: the same
 `RunSpec.fingerprint` (model, mesh, ZeRO stage, policy, error feedback) and
 the same data position (seed, sequence length, global batch, training data),
-and the same split of the data axis into hops (mesh.dcn_data).
+and the same split of the data axis into hops (mesh.dcn_data), and the same
+outer loop (outer.*).
 Otherwise the run is refused with one `UsageError` listing every difference,
 before anything in the workdir is moved. Damaged steps are reported and set
 aside to `checkpoints_unusable/`; the learning-rate schedule and the count of
@@ -26,7 +27,7 @@ import jax
 
 from jcomp.gpt import autoencoder, step
 
-from jcomp.train import checkpoint, quiet
+from jcomp.train import checkpoint, outer, quiet
 from jcomp.gpt import model as gpt
 from jcomp.train.faults import UsageError
 
@@ -86,6 +87,22 @@ def dcn_mismatch(run):
     return check
 
 
+def outer_mismatch(run):
+    """check_meta for `Checkpointer.restore`: the outer loop's settings (outer.*; a
+    checkpoint that records none had outer.every=0) must not change: the islands,
+    the fragments and the outer optimizer's state are laid out by them."""
+    mine = run.outer.record() if run.outer else {"every": 0}
+
+    def check(meta):
+        saved = meta.get("outer", {"every": 0}) if isinstance(meta, dict) else {"every": 0}
+        names = ["every"] if 0 in (saved.get("every"), mine["every"]) else list(mine)
+        out = [f"outer.{k}={saved.get(k)!r}, this run has outer.{k}={mine.get(k)!r}"
+               for k in names if saved.get(k) != mine.get(k)]
+        return [f"it was written for {', '.join(out)} (a resume cannot change the outer "
+                "loop's settings)"] if out else []
+    return check
+
+
 def _both(*checks):
     return lambda meta: [p for c in checks for p in c(meta)]
 
@@ -94,7 +111,8 @@ def checkpoint_meta(run, train_ds, step_no: int, schedule_steps: int, streak: in
     """What a checkpoint of step `step_no` records beside the state."""
     return {"data": train_ds.state(step_no), "step": step_no, "fingerprint": run.fingerprint(),
             "schedule_steps": schedule_steps, "nonfinite_streak": streak,
-            "optim": dataclasses.asdict(run.optim), "mesh_dcn_data": int(run.dcn_data)}
+            "optim": dataclasses.asdict(run.optim), "mesh_dcn_data": int(run.dcn_data),
+            **({"outer": run.outer.record()} if run.outer else {})}
 
 
 def optim_changes(run, meta) -> list[str]:
@@ -131,15 +149,29 @@ def open_checkpoints(run, workdir) -> checkpoint.Checkpointer:
     return ckpt
 
 
+def abstract_state(run, shapes, mesh, tx):
+    """The train state's arrays as ShapeDtypeStructs with shardings (restore target)."""
+    if run.outer:
+        return outer.abstract_state(run, shapes, mesh, tx)
+    return step.abstract_state(shapes, mesh, tx, run.zero)
+
+
+def init_state(run, params, mesh, tx, shapes):
+    """A fresh train state from the initial `params` (every island's copy and the
+    outer state with an outer loop)."""
+    state = step.init_state(params, mesh, tx, run.zero)
+    return outer.lift(state, run, mesh, shapes, tx) if run.outer else state
+
+
 def restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds) -> Start:
     """The newest usable checkpoint of `ckpt` restored onto `mesh` (and `train_ds`
     moved to its position), or `make_params()` laid out as a fresh state."""
     restored = None
     try:
         with quiet.restoring_quietly(logging.getLogger(checkpoint.__name__), ckpt):
-            restored = ckpt.restore(step.abstract_state(shapes, mesh, tx, run.zero),
+            restored = ckpt.restore(abstract_state(run, shapes, mesh, tx),
                                     expect_meta={"fingerprint": run.fingerprint()},
-                                    check_meta=_both(dcn_mismatch(run),
+                                    check_meta=_both(outer_mismatch(run), dcn_mismatch(run),
                                                      data_mismatches(train_ds)))
     except checkpoint.CheckpointError as e:  # it lists every step it skipped
         ckpt.close()
@@ -152,8 +184,7 @@ def restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds) -> Start
         moved = ckpt.set_aside(int(os.path.basename(path)))
         _log.warning("checkpoint %s cannot be used: %s; moved to %s", path, reason, moved)
     if restored is None:
-        return Start(step.init_state(make_params(), mesh, tx, run.zero), 0, run.train.steps,
-                     0, tx)
+        return Start(init_state(run, make_params(), mesh, tx, shapes), 0, run.train.steps, 0, tx)
     # The learning-rate schedule is the first run's: a resumed run keeps its length
     # whatever train.steps says now (steps past it run at the final rate).
     state, meta, start = restored

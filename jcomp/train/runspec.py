@@ -26,6 +26,7 @@ from jcomp.gpt import policy as policy_lib
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.train import faults
 from jcomp.train import metrics as metrics_lib
+from jcomp.train import outer as outer_lib
 
 UsageError = faults.UsageError  # a configuration or input the user must fix
 
@@ -108,11 +109,30 @@ class RunSpec:
     seed: int
     bucket_bytes: int          # the optimizer's flat buffers, at least 1 byte
     dcn_data: int = 1          # slow-hop groups the data axis is split into (mesh.dcn_data)
+    outer: outer_lib.OuterSettings | None = None  # config.outer; None: no outer loop
+
+    @property
+    def islands(self) -> int:
+        """The outer loop's islands (0 without one): the slow-hop groups with
+        mesh.dcn_data > 1, else every data rank."""
+        if self.outer is None:
+            return 0
+        return self.dcn_data if self.dcn_data > 1 else self.mesh_shape[0]
+
+    def mesh_split(self) -> int:
+        """The size of the mesh's 'dcn' axis (1: none): the islands, or mesh.dcn_data."""
+        return self.islands or self.dcn_data
 
     def mesh_sizes(self) -> dict:
         """The mesh's axes and sizes (jcomp.gpt.mesh.axis_sizes): with dcn_data > 1
-        a 'dcn' axis leads and 'data' is the fast factor."""
-        return mesh_lib.axis_sizes(self.mesh_shape, self.dcn_data)
+        (or islands) a 'dcn' axis leads and 'data' is the fast factor."""
+        return mesh_lib.axis_sizes(self.mesh_shape, self.mesh_split())
+
+    def plan_sizes(self) -> dict:
+        """The sizes the message plans are made for: the mesh's, or one island's
+        (no 'dcn') with an outer loop."""
+        sizes = self.mesh_sizes()
+        return {a: n for a, n in sizes.items() if a != mesh_lib.DCN} if self.outer else sizes
 
     def plan(self, phase) -> messages.Plan:
         """What the train step sends in `phase` (one of `phases`' policies)."""
@@ -127,7 +147,8 @@ class RunSpec:
         """Keyword arguments of `step.make_train_step` besides the phase's plan."""
         return dict(layout=self.zero, microbatches=self.train.microbatches,
                     clip_norm=float(self.optim.clip_norm), remat=self.train.remat,
-                    seed=self.seed, bucket_bytes=self.bucket_bytes)
+                    seed=self.seed, bucket_bytes=self.bucket_bytes,
+                    **({"islands": outer_lib.AXIS} if self.outer else {}))
 
     def fingerprint(self) -> dict:
         """What a checkpoint must have been written for to be restored into this run."""
@@ -225,17 +246,26 @@ def validate(cfg, n_devices: int) -> RunSpec:
         shape = mesh_lib.resolve_shape(sizes, n_devices)
     except (TypeError, ValueError) as e:
         raise UsageError(f"mesh: {e}") from None
+    outer = outer_lib.settings(cfg.get("outer"))
+    split = _islands(cfg, outer, shape, dcn_data) if outer else dcn_data
     try:
-        mesh_shape = mesh_lib.axis_sizes(shape, dcn_data)
-        mesh_lib.check_processes(shape, dcn_data, jax.process_count())
+        mesh_shape = mesh_lib.axis_sizes(shape, split)
+        mesh_lib.check_processes(shape, split, jax.process_count())
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
+    plan_shape = ({a: n for a, n in mesh_shape.items() if a != mesh_lib.DCN} if outer
+                  else mesh_shape)
     for name in ("train.steps", "train.batch_size", "train.microbatches", "train.log_every",
                  "train.eval_every", "train.nonfinite_limit", "data.seq_len",
                  "data.eval_batches", "checkpoint.every", "checkpoint.keep"):
         _positive(cfg, name)
     for name in ("optim.warmup_steps", "compression.warmup_steps", "data.val_permille", "seed"):
         _positive(cfg, name, zero_ok=True)
+    if outer and outer.every // outer.fragments > cfg.train.steps:
+        raise UsageError(f"outer.every={outer.every}: no sync would run within train.steps="
+                         f"{cfg.train.steps} (the first after step "
+                         f"{outer.every // outer.fragments}); allowed: outer.every <= "
+                         "train.steps (x outer.fragments), or 0")
     if cfg.seed > MAX_SEED:  # jax.random.key takes a signed 64-bit seed
         raise UsageError(f"seed must be <= {MAX_SEED} (2**63 - 1); got {cfg.seed}")
     for name in ("optim.lr", "compression.bucket_mib"):
@@ -282,9 +312,13 @@ def validate(cfg, n_devices: int) -> RunSpec:
     except ValueError as e:
         raise UsageError(f"compression.{e}") from None
     try:
-        plans = tuple(messages.plan(p, model_cfg.n_layers, mesh_shape) for _, p in phases)
+        plans = tuple(messages.plan(p, model_cfg.n_layers, plan_shape) for _, p in phases)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    lowrank = [pl.grad_reduce.codec for pl in plans if pl.grad_reduce.codec.kind == "lowrank"]
+    if outer and lowrank:
+        raise UsageError(f"compression.data.grad={lowrank[0]}: PowerSGD inside the islands of "
+                         "an outer loop (outer.every > 0) is not supported; use a byte codec")
     try:
         layout = zero.for_plan(plans[-1], cfg.optim.zero_stage)
         for pl in plans[:-1]:  # every phase runs on the layout; each must fit one too
@@ -299,7 +333,24 @@ def validate(cfg, n_devices: int) -> RunSpec:
                    data=_data_settings(cfg.data), checkpoint_every=cfg.checkpoint.every,
                    checkpoint_keep=cfg.checkpoint.keep, seed=cfg.seed,
                    bucket_bytes=max(int(cfg.compression.bucket_mib * 2**20), 1),
-                   dcn_data=int(dcn_data))
+                   dcn_data=int(dcn_data), outer=outer)
+
+
+def _islands(cfg, outer, shape, dcn_data) -> int:
+    """The outer loop's islands (mesh.dcn_data's groups, or every data rank), or
+    UsageError where the run cannot have them."""
+    islands = dcn_data if dcn_data > 1 else shape[0]
+    if islands < 2:
+        raise UsageError(f"outer.every={outer.every} needs at least 2 islands: mesh.data >= 2 "
+                         f"(each data rank an island) or mesh.dcn_data >= 2; got mesh.data="
+                         f"{shape[0]}")
+    for kind in ("grad", "param"):
+        spec = cfg.compression.get("dcn", {}).get(kind, "")
+        if spec:
+            raise UsageError(f"compression.dcn.{kind}={spec!r}: with outer.every > 0 no inner "
+                             "step crosses between islands; the pseudo-gradient's codec is "
+                             "outer.codec (leave it '')")
+    return islands
 
 
 def _check_one_lossy_hop(plans, layout):

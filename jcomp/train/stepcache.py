@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 from jcomp.gpt import messages, policy, sharding, step
 from jcomp.meter import wire
+from jcomp.train import outer
 
 
 def global_batch(mesh, local_rows, global_rows: int):
@@ -60,15 +61,22 @@ class StepCache:
         uncompressed (the model as it is used after training)."""
         if phase not in self._eval:
             plan = self.exact_plan() if phase is None else self.run.plan(phase)
-            self._eval[phase] = step.make_eval_step(self.run.model, self.mesh, plan, self.shapes,
-                                                    microbatches=self.run.train.microbatches)
+            self._eval[phase] = step.make_eval_step(
+                self.run.model, self.mesh, plan, self.shapes,
+                microbatches=self.run.train.microbatches,
+                **({"islands": outer.AXIS} if self.run.outer else {}))
         rows = self.run.train.batch_size
-        return float(np.mean([float(self._eval[phase](params, global_batch(self.mesh, b, rows)))
-                              for b in val_batches]))
+        return float(np.mean([float(self._one(self._eval[phase](
+            params, global_batch(self.mesh, b, rows)))) for b in val_batches]))
+
+    def _one(self, loss):
+        """An outer run's [I] island losses -> their mean (each island's over its
+        share of the rows: the whole batch's mean loss where the islands agree)."""
+        return outer.island_mean({"loss": loss})["loss"] if self.run.outer else loss
 
     def exact_plan(self) -> messages.Plan:
         return messages.plan(policy.preset("baseline"), self.run.model.n_layers,
-                             self.run.mesh_sizes())
+                             self.run.plan_sizes())
 
     def forward_compressed(self, phase) -> bool:
         """Whether `phase` codes a forward message: then its loss differs from the exact one."""

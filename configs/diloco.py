@@ -1,0 +1,21 @@
+"""DiLoCo across two islands: the data axis split into 2 slow-hop groups
+(mesh.dcn_data=2 on data 4 x tensor 2, as configs/multinode.py), each group an
+island that trains alone for 10 steps (its own AdamW, data and tensor
+parallelism inside, nothing sent between islands); then the islands average
+their pseudo-gradients coded int4:rot and an outer SGD step with Nesterov
+momentum (lr 0.7, momentum 0.9) moves the shared anchor (jcomp/train/outer.py).
+
+    python train.py --config=configs/diloco.py --config.train.steps=40
+
+The streaming form (fragments of the parameters syncing in turn):
+    python train.py --config=configs/diloco.py --config.outer.fragments=2
+"""
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.mesh.update(data=4, tensor=2, pipeline=1, dcn_data=2)
+    c.outer.update(every=10, codec="int4:rot", error_feedback="off", lr=0.7, momentum=0.9,
+                   fragments=1)
+    return c

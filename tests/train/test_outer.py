@@ -1,0 +1,199 @@
+"""Tests for jcomp.train.outer: the outer loop of the trainer (config.outer).
+
+In process, on configs/tiny.py's model: the run is built as the loop builds it
+(`_Run`), the inner steps and syncs called in the loop's order (those tests
+compile whole train steps: marked slow)."""
+import jax
+import numpy as np
+import pytest
+
+from jcomp.gpt import mesh as mesh_lib
+from jcomp.train import outer, resume, runspec
+from jcomp.train.stepcache import StepCache, global_batch
+from tests.train.tinyconfig import tiny_config
+
+ULP = float(np.finfo(np.float32).eps)
+
+
+class _Run:
+    """A tiny run built as jcomp.train.loop builds it, on random token rows."""
+
+    def __init__(self, **overrides):
+        self.run = runspec.validate(tiny_config(**overrides), 8)
+        self.tx = self.run.optim.tx(self.run.train.steps)
+        self.mesh = mesh_lib.make_mesh(self.run.mesh_shape, dcn_data=self.run.mesh_split())
+        make = resume.init_params(self.run)
+        self.shapes = jax.eval_shape(make)
+        self.state = resume.init_state(self.run, make(), self.mesh, self.tx, self.shapes)
+        self.steps = StepCache(self.run, self.mesh, self.tx, self.shapes)
+        self.syncs = (outer.Syncs(self.run, self.mesh, self.shapes, self.tx)
+                      if self.run.outer else None)
+        self.done = 0
+
+    def batch(self, seed):
+        t = self.run.train
+        rows = np.random.default_rng(seed).integers(
+            0, self.run.model.vocab_size, (t.batch_size, self.run.data.seq_len + 1))
+        return global_batch(self.mesh, rows, t.batch_size)
+
+    def step(self, seed):
+        """One inner step (and the syncs due after it) -> the step's wire report."""
+        phase = self.run.phases[0][1]
+        inner = {k: v for k, v in self.state.items() if k != "outer"}
+        batch = self.batch(seed)
+        exe, report = self.steps.train(phase, inner, batch)
+        inner, m = exe(inner, batch)
+        jax.block_until_ready(m)
+        self.state = {**inner, "outer": self.state["outer"]} if self.syncs else inner
+        self.done += 1
+        for f in outer.due(self.done, self.run.outer):
+            self.state, _ = self.syncs.run_sync(f, self.state, self.done)
+        return report
+
+
+def _np(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+SGD = {"optim.name": "sgd", "optim.b1": 0.0, "optim.weight_decay": 0.0, "optim.clip_norm": 0.0,
+       "optim.warmup_steps": 0, "optim.lr": 0.05}
+H1 = {"outer.every": 1, "outer.codec": "none", "outer.lr": 1.0, "outer.momentum": 0.0}
+
+
+@pytest.mark.slow  # compiles whole train steps and syncs
+def test_h1_with_sgd_inside_is_the_data_parallel_sgd_run():
+    """The identity that holds: with plain SGD inside (no momentum, no weight
+    decay, no clipping), H=1, codec "none", outer lr 1 and no momentum, the
+    islands' mean after each step is the data-parallel SGD step (the anchor
+    minus lr times the mean of the islands' gradients), so the outer run
+    follows the every-step run. It does not hold for AdamW (nonlinear in the
+    gradient: the mean of the islands' Adam steps is not the Adam step of the
+    mean gradient). Not bitwise: the sync forms anchor - master, averages it and
+    subtracts (three float32 roundings where the plain step has one). Bound: 4
+    ulp of the leaf's largest |value| per step taken (seen: at most 1.2 ulp after
+    3 steps). Every island holds the same parameters, bit for bit."""
+    ref, out = _Run(**SGD), _Run(**SGD, **H1)
+    assert out.run.islands == 2 and dict(out.mesh.shape)["data"] == 1
+    worst = 0.0
+    for t in range(1, 4):
+        ref.step(t), out.step(t)
+        want, got = _np(ref.state["params"]), _np(out.state["params"])
+        for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(want)[0],
+                                jax.tree.leaves(got)):
+            assert np.array_equal(g[0], g[1]), path
+            err = np.abs(g[0] - w).max() / (ULP * np.abs(w).max())
+            worst = max(worst, err / t)
+            assert err <= 4 * t, (path, t, err)
+    print(f"largest deviation: {worst:.2f} ulp per step")
+
+
+@pytest.mark.slow  # compiles whole train steps and syncs
+def test_inner_steps_send_nothing_across_islands_and_a_sync_sends_the_codec():
+    """mesh.dcn_data=2 on data 4 x tensor 2 (two islands of 2 data ranks): the
+    compiled inner step sends 0 bytes on 'dcn' and reduces over 'data'; a sync
+    with int4:rot sends at most 0.14 of an uncoded sync's bytes across 'dcn'
+    (seen: 0.13), and both send the same raw gather over 'data'."""
+    mesh = {"mesh.data": 4, "mesh.pipeline": 1, "mesh.dcn_data": 2, "outer.every": 2}
+    coded = _Run(**mesh, **{"outer.codec": "int4:rot"})
+    report = coded.step(1)
+    by = report.by_axis()
+    assert by.get("dcn", 0) == 0 and by["data"] > 0, by
+    coded.step(2)
+    plain = _Run(**mesh)
+    plain.step(1), plain.step(2)
+    n, c = plain.syncs.bytes_per_sync[0], coded.syncs.bytes_per_sync[0]
+    assert 0 < c <= 0.14 * n, (c, n)
+    assert plain.syncs.bytes_per_step() == n / 2
+    for r in (plain, coded):  # a synced run: every island holds the anchor's params
+        for p in jax.tree.leaves(_np(r.state["params"])):
+            assert np.array_equal(p[0], p[1])
+
+
+@pytest.mark.slow  # compiles whole train steps and syncs
+def test_fragments_sync_in_turn():
+    """outer.fragments=2, every=2: fragment 0 syncs after steps 2, 4, fragment 1
+    after steps 1, 3. A master leaf's anchor changes only at its fragment's
+    syncs, and then every island's master of it equals the anchor, bit for bit;
+    the other fragment's leaves keep differing across the islands."""
+    r = _Run(**{"outer.every": 2, "outer.fragments": 2, "optim.warmup_steps": 0})
+    groups = r.syncs.groups
+    assert len(groups) == 2 and sorted(sum(groups, [])) == list(range(sum(map(len, groups))))
+    anchor = jax.tree.leaves(_np(r.state["outer"]["anchor"]))
+    for t in range(1, 5):
+        r.step(t)
+        now = jax.tree.leaves(_np(r.state["outer"]["anchor"]))
+        master = jax.tree.leaves(_np(r.state["zero"]["master"]))
+        synced = 1 if t % 2 else 0
+        for f, group in enumerate(groups):
+            for i in group:
+                moved = not np.array_equal(now[i], anchor[i])
+                if f == synced:
+                    assert moved, (t, i)
+                    assert np.array_equal(master[i][0], now[i]), (t, i)
+                    assert np.array_equal(master[i][1], now[i]), (t, i)
+                else:
+                    assert not moved, (t, i)
+                    assert not np.array_equal(master[i][0], master[i][1]), (t, i)
+        anchor = now
+
+
+def test_fragments_are_consecutive_groups_of_about_equal_bytes():
+    """Leaf i joins the group its middle byte falls in; no group is empty."""
+    assert outer.fragments([4, 4, 4, 4], 2) == [[0, 1], [2, 3]]
+    assert outer.fragments([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert outer.fragments([1, 1, 1, 100], 3) == [[0, 1], [2], [3]]  # a leaf for each group
+    for sizes, n in (([5] * 7, 3), ([1, 9, 1, 9, 1], 4), ([3], 1)):
+        g = outer.fragments(sizes, n)
+        assert len(g) == n and all(g) and sum(g, []) == list(range(len(sizes)))
+    with pytest.raises(ValueError, match="outer.fragments=3: the model has only 2"):
+        outer.fragments([1, 1], 3)
+
+
+def test_due():
+    """Fragment f syncs after the steps n with n % every == f * every / fragments."""
+    o = outer.OuterSettings(every=6, codec="none", error_feedback=False, lr=0.7, momentum=0.9,
+                            fragments=3)
+    assert [outer.due(n, o) for n in range(1, 8)] == [[], [1], [], [2], [], [0], []]
+    assert outer.due(5, None) == []
+
+
+BAD = [
+    ({"outer.every": -1}, "outer.every=-1; allowed: an integer >= 0"),
+    ({"outer.every": 4, "outer.fragments": 3}, "outer.fragments=3 does not divide outer.every=4"),
+    ({"outer.every": 4, "outer.fragments": 0}, "outer.fragments=0; allowed: an integer >= 1"),
+    ({"outer.every": 4, "outer.codec": "int5"}, "outer.codec='int5'"),
+    ({"outer.every": 4, "outer.codec": "powersgd:4"}, "outer.codec='powersgd:4'"),
+    ({"outer.every": 4, "outer.momentum": 1.0}, "outer.momentum=1.0; allowed: a number in [0, 1)"),
+    ({"outer.every": 4, "outer.lr": 0.0}, "outer.lr=0.0; allowed: a number > 0"),
+    ({"outer.every": 13}, "outer.every=13: no sync would run within train.steps=12"),
+    ({"outer.every": 4, "outer.error_feedback": "yes"}, "outer.error_feedback='yes'"),
+    ({"outer.every": 4, "outer.error_feedback": "on"}, "nothing to feed back"),
+    ({"outer.every": 4, "mesh.data": 1, "mesh.tensor": 4}, "needs at least 2 islands"),
+    ({"outer.every": 4, "mesh.data": 4, "mesh.pipeline": 1, "mesh.dcn_data": 2,
+      "compression.dcn.grad": "int8"}, "compression.dcn.grad='int8': with outer.every > 0"),
+    ({"outer.every": 4, "compression.data.grad": "powersgd:rank=2"}, "PowerSGD inside the islands"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD)
+def test_bad_outer_settings_are_refused_by_name(overrides, message):
+    with pytest.raises(runspec.UsageError) as e:
+        runspec.validate(tiny_config(**overrides), 8)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_0_is_no_outer_loop():
+    """outer.every=0 (the default): no outer settings, the mesh and plans of a
+    run without them."""
+    run = runspec.validate(tiny_config(), 8)
+    assert run.outer is None and run.islands == 0 and run.mesh_split() == 1
+    assert run.plan_sizes() == run.mesh_sizes() == {"data": 2, "tensor": 2, "pipeline": 2}
+    assert "islands" not in run.step_options()
+
+
+def test_diloco_config_has_two_islands_of_data_2_x_tensor_2():
+    from configs import diloco
+    run = runspec.validate(diloco.get_config(), 8)
+    assert run.islands == 2 and run.outer.every == 10 and run.outer.codec == "int4:rot"
+    assert run.mesh_sizes() == {"dcn": 2, "data": 2, "tensor": 2, "pipeline": 1}
+    assert run.plan_sizes() == {"data": 2, "tensor": 2, "pipeline": 1}

@@ -1,0 +1,132 @@
+"""End-to-end runs of train.py with an outer loop (config.outer, jcomp.train.outer):
+metrics, kill -9 and a bitwise resume mid-interval, and the refusal of a
+changed outer setting on resume."""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.e2e  # every test here runs train.py in a subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# H=4, saves at 3, 6 and 8: step 3 is mid-interval (the islands differ there).
+OUTER = ["--config=configs/tiny.py", "--config.train.steps=8", "--config.train.log_every=1",
+         "--config.checkpoint.every=3", "--config.checkpoint.keep=3",
+         "--config.train.eval_every=4", "--config.outer.every=4",
+         "--config.outer.codec=topk:0.1", "--config.outer.error_feedback=on"]
+
+
+def _env():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                        "--xla_backend_optimization_level=0")  # see conftest.py
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def run(workdir, *args, kill_during_save=None, timeout=300):
+    program = ([os.path.join("tests", "train", "faultinject.py"),
+                f"--kill_during_save={kill_during_save}", "--"]
+               if kill_during_save is not None else ["train.py"])
+    return subprocess.run([sys.executable, *program, f"--workdir={workdir}", *args], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def records(workdir):
+    """step -> its record; a step logged twice (after a resume) keeps its last."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+def state_digest(workdir, step):
+    """The sha256 of a checkpoint's per-array checksums file: equal iff every array
+    of the state (params, ZeRO, outer) is bitwise equal."""
+    path = os.path.join(workdir, "checkpoints", str(step), "checksums")
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            if name != "commit_success.txt":
+                with open(os.path.join(root, name), "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("outer") / "full")
+    proc = run(workdir, *OUTER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(workdir + ".stdout", "w") as f:
+        f.write(proc.stdout)
+    return workdir
+
+
+def test_syncs_are_logged_with_their_bytes_and_time(full):
+    """Steps 4 and 8 synced: outer_sync_s, outer_bytes_per_sync (> 0, read from the
+    compiled sync) and outer_bytes_per_step = per sync / H; no inner step sends
+    anything across islands (no wire_bytes_dcn on the first record). The start
+    text and the closing line say what crosses between islands per step."""
+    recs = records(full)
+    assert sorted(s for s, r in recs.items() if "outer_sync_s" in r) == [4, 8]
+    for s in (4, 8):
+        r = recs[s]
+        assert r["outer_sync_s"] > 0 and r["outer_bytes_per_sync"] > 0
+        assert r["outer_bytes_per_step"] == r["outer_bytes_per_sync"] / 4
+        assert "val_loss" in r
+    assert recs[1].get("wire_bytes_dcn", 0) == 0 and "wire_bytes_total" in recs[1]
+    assert recs[1]["outer_bytes_per_step"] == recs[4]["outer_bytes_per_step"]
+    assert recs[1]["outer_state_bytes_per_device"] > 0
+    with open(full + ".stdout") as f:
+        out = f.read()
+    from jcomp.train.traffic import human
+    per_step = human(recs[4]["outer_bytes_per_step"])
+    assert f"({per_step} per inner step; the inner step sends 0 B across islands)" in \
+        " ".join(out.split()), out
+    assert f"(+ {per_step}/step across islands, outer loop)" in out.splitlines()[-1]
+
+
+def test_kill_mid_interval_resumes_bit_for_bit(full, tmp_path):
+    """kill -9 during the save of step 6: the rerun resumes from step 3 (mid-interval:
+    H=4, the islands differ and carry error-feedback residuals) and repeats
+    steps 4-8, syncs included, bit for bit: losses, gradient norms, validation
+    losses and every array of the final checkpoint."""
+    workdir = str(tmp_path / "killed")
+    proc = run(workdir, *OUTER, kill_during_save=6)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
+    again = run(workdir, *OUTER)
+    assert again.returncode == 0, again.stderr[-3000:]
+    want, got = records(full), records(workdir)
+    for s in range(4, 9):
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert got[s].get(key) == want[s].get(key), (s, key, got[s], want[s])
+    assert state_digest(workdir, 8) == state_digest(full, 8)
+
+
+@pytest.mark.parametrize("arg,says", [
+    ("--config.outer.codec=int8", "outer.codec='topk:0.1', this run has outer.codec='int8'"),
+    ("--config.outer.every=0", "outer.every=4, this run has outer.every=0"),
+])
+def test_a_resume_that_changes_an_outer_setting_is_refused(full, tmp_path, arg, says):
+    workdir = str(tmp_path / "changed")
+    shutil.copytree(full, workdir)
+    proc = run(workdir, *OUTER, "--config.train.steps=9", arg)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert says in lines[0], lines[0]
+
+
+def test_a_bad_outer_field_exits_2_with_one_line_and_no_workdir(tmp_path):
+    workdir = tmp_path / "w"
+    proc = run(str(workdir), "--config=configs/tiny.py", "--config.outer.every=4",
+               "--config.outer.fragments=3", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "outer.fragments=3 does not divide outer.every=4" in lines[0], lines[0]
+    assert not workdir.exists()
