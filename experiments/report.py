@@ -577,7 +577,8 @@ def build(results, page_dir: str) -> str:
             claims.append(f"Withdrawn: {len(leaky)} convergence result sets measured before "
                           "row-local blocks; their rows that compress forward activations read "
                           "the next token through cross-token blocks (see that section).")
-        page += ["Same initial weights, data order and (2, 2, 2) mesh in every run; bytes are "
+        page += ["Same initial weights, data order and mesh in every run of a set (the (2, 2, 2) "
+                 "mesh unless the set names another); bytes are "
                  "what one device sends per training step, read from the compiled step. Gap: "
                  "final val_loss relative to the baseline's of the same length.", ""]
         for path, s in group:
