@@ -39,6 +39,14 @@ Every run is `python train.py` in a subprocess with its own workdir under
             Needs a data axis of >= 4 (a fast hop of >= 2): run it with
             --set mesh.data=4 --set mesh.tensor=2 --set mesh.pipeline=1
             and an --out of its own, so that its baseline has that mesh too
+  outer     an outer loop between the two halves of the data axis (DiLoCo,
+            mesh.dcn_data=2, outer lr 0.7, Nesterov momentum 0.9): islands
+            sync every 10 and every 50 steps, pseudo-gradients sent raw,
+            int4:rot, or top-k 3% with error feedback (SparseLoCo-like); one
+            streaming setting (every 50 steps, 5 fragments in turn, int4:rot);
+            and hop_raw, the every-step run with two hops and nothing coded,
+            whose bytes across the slow hop are the baseline's. Same mesh as
+            hops: run it with hops' --set flags into hops' --out
 
 --set KEY=VALUE (repeatable) sets a config field for every run of the
 invocation, the baseline included: --set mesh.data=4 trains every run on
@@ -92,7 +100,7 @@ from jcomp.train import metrics as metrics_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 AXES = ("data", "tensor", "pipeline")
-SUITES = ("main", "ablation", "sweep", "variants", "places", "seeds", "ef", "hops")
+SUITES = ("main", "ablation", "sweep", "variants", "places", "seeds", "ef", "hops", "outer")
 GRAD_SWEEP = ("int8", "int4", "int4:rot", "int2", "topk:0.1", "topk:0.01")
 ACT_SWEEP = ("int8", "int4", "int2")
 PSGD = "powersgd:rank=4"
@@ -107,6 +115,12 @@ def _tp_act(spec: str) -> dict:
     return {f"{a}.{k}": spec for a in ("tensor", "pipeline") for k in ("act", "act_grad")}
 
 
+# (every, fragments, codec, error feedback, slug) of the outer suite's runs.
+OUTER_RUNS = tuple((h, 1, codec, ef, slug) for h in (10, 50)
+                   for codec, ef, slug in (("none", "off", "none"), ("int4:rot", "off", "int4rot"),
+                                           ("topk:0.03", "on", "topk3_ef"))) \
+    + ((50, 5, "int4:rot", "off", "int4rot"),)
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD
 SGD_FLAGS = ("--config.optim.name=sgd", "--config.optim.lr=0.3")
 EF_RUNS = ("baseline", "grad_int4_efon", "grad_int4_efoff")
 PAPER_HYBRID = {"data.grad": "int4", "data.param": "int8", **_tp_act("int8")}
@@ -215,6 +229,19 @@ def run_specs() -> list[dict]:
     runs.append(dict(name="hop_perhop", suite="hops", group="main", policy="baseline",
                      overrides={k.replace("data.", "dcn."): v for k, v in flat.items()},
                      error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
+    # The outer loop across the same slow hop (jcomp/train/outer.py).
+    runs.append(dict(name="hop_raw", suite="outer", group="main", policy="baseline",
+                     overrides={}, error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
+    for every, fragments, codec, ef, slug in OUTER_RUNS:
+        name = f"outer_h{every}" + (f"_f{fragments}" if fragments > 1 else "") + f"_{slug}"
+        runs.append(dict(name=name, suite="outer", group="outer", policy="baseline",
+                         overrides={}, error_feedback="auto",
+                         extra=("--config.mesh.dcn_data=2", f"--config.outer.every={every}",
+                                f"--config.outer.fragments={fragments}",
+                                f"--config.outer.codec={codec}",
+                                f"--config.outer.error_feedback={ef}",
+                                f"--config.outer.lr={OUTER_LR}",
+                                f"--config.outer.momentum={OUTER_MOMENTUM}")))
     return runs
 
 
@@ -356,6 +383,11 @@ def summarize(records: list[dict]) -> dict:
         final_val_loss_compressed=val_c[-1] if val_c else None,
         wire_bytes={a: float(wire.get(f"wire_bytes_{a}", 0.0)) for a in AXES},
         wire_bytes_total=float(wire["wire_bytes_total"]),
+        # Across the slow hop: an every-step two-hop run's dcn messages, or an
+        # outer loop's syncs averaged over its inner steps (the last record's).
+        wire_bytes_dcn=float(wire["wire_bytes_dcn"]) if "wire_bytes_dcn" in wire else None,
+        outer_bytes_per_step=next((float(r["outer_bytes_per_step"]) for r in reversed(records)
+                                   if "outer_bytes_per_step" in r), None),
         median_step_time_s=statistics.median(times) if times else None,
         ef_norm_ratio=statistics.median(ef_ratio) if ef_ratio else None,
         # The pre-clip gradient norm over the second half of training: noisier
