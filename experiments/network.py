@@ -59,6 +59,12 @@ validation loss at or below the baseline's final one in its --steps run at
 that rate, or "not reached". All time-to-loss runs share one learning-rate
 schedule (cosine over --ttl-steps), so they differ only by policy.
 
+The outer-loop policies (diloco, sparseloco: islands are the two processes,
+--hops) send across the link only when they sync: their rows add each sync's
+time (outer_sync_s, counted in the time to the baseline's loss, where only
+synced models' losses count) and its bytes on the link (the step's kernel
+bytes less a plain step's) against the meter's (outer_bytes_per_sync).
+
 Results go to --out (JSON, written after every row). A row already there with
 the same settings and git commit is skipped, so an interrupted sweep resumes
 (rows made with modified tracked files are never reused); rows of other
@@ -85,7 +91,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join("experiments", "results", "network.json")
 HOPS_OUT = os.path.join("experiments", "results", "network_hops.json")
 TOTAL_DEVICES = 8
-POLICIES = {  # name -> config.compression overrides
+OUTER = {"outer.every": "10", "outer.lr": "0.7", "outer.momentum": "0.9"}
+POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those sections')
     "baseline": {"policy": "baseline"},
     "naive": {"policy": "naive"},
     # The preset of the commit that runs it: report_network.HYBRID_PRESETS says what
@@ -110,6 +117,14 @@ POLICIES = {  # name -> config.compression overrides
     # so the two compare the hops alone. configs/multinode.py's compression.
     "hybrid_perhop": {"policy": "hybrid", "mesh.dcn_data": "2", "data.grad": "none",
                       "data.param": "none", "dcn.grad": "int4:rot", "dcn.param": "int8"},
+    # An outer loop across the slow hop (configs/diloco.py): each process an
+    # island that trains alone, nothing coded inside; every 10 steps the islands
+    # exchange int4:rot pseudo-gradients (DiLoCo's outer Nesterov SGD, lr 0.7).
+    "diloco": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER,
+               "outer.codec": "int4:rot", "outer.error_feedback": "off"},
+    # The same with SparseLoCo's pseudo-gradients: top-k 3% with error feedback.
+    "sparseloco": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER,
+                   "outer.codec": "topk:0.03", "outer.error_feedback": "on"},
 }
 
 
@@ -118,7 +133,7 @@ POLICIES = {  # name -> config.compression overrides
 def _flags(policy: str, overrides: dict) -> list[str]:
     out = []
     for key, value in POLICIES[policy].items():
-        section = "" if key.startswith("mesh.") else "compression."
+        section = "" if key.startswith(("mesh.", "outer.")) else "compression."
         out.append(f"--config.{section}{key}={value}")
     out += [f"--config.{k}={v}" for k, v in overrides.items()]
     return out
@@ -247,9 +262,12 @@ def summarize(raw: dict, warm_steps: int) -> dict:
         collectives_per_step=static.get("wire_collectives"),
         meter_bytes_per_step=meter, kernel_bytes_per_step=kernel,
         # With two hops (--hops) the link carries the slow hop only: the meter's
-        # 'dcn' bytes where the mesh has that axis.
+        # 'dcn' bytes where the mesh has that axis, or an outer loop's syncs
+        # averaged over H.
         meter_slow_hop_bytes_per_step=(float(static["wire_bytes_dcn"]) * devices
-                                       if "wire_bytes_dcn" in static else None),
+                                       if "wire_bytes_dcn" in static else
+                                       float(static["outer_bytes_per_step"]) * devices
+                                       if "outer_bytes_per_step" in static else None),
         kernel_over_meter=kernel / meter if kernel is not None and meter else None,
         kernel_bytes_by_step=dict(zip(map(str, window), deltas)),
         kernel_packets_per_step=per_packet, header_bytes_per_packet=raw["header_bytes"],
@@ -259,7 +277,28 @@ def summarize(raw: dict, warm_steps: int) -> dict:
         kernel_window_steps=window,
         startup_bytes=marks[steps[0]][0][0] - raw["before"][0] if steps[0] in marks else None,
         after_last_step_bytes=raw["after"][0] - marks[last][0][0] if last in marks else None,
-        wall_s=raw["wall_s"], first_step_at_s=marks[steps[0]][1] if steps[0] in marks else None)
+        wall_s=raw["wall_s"], first_step_at_s=marks[steps[0]][1] if steps[0] in marks else None,
+        **_outer_figures(by_step, static, window, dict(zip(window, deltas)), devices))
+
+
+def _outer_figures(by_step, static, window, delta, devices) -> dict:
+    """An outer loop's syncs (none for an every-step run): each sync's own time
+    by step, and its bytes on the link (the step's kernel bytes less the median
+    step without a sync) against the meter's (outer_bytes_per_sync per device,
+    read from the compiled sync program, times the devices)."""
+    if "outer_bytes_per_step" not in static:
+        return {}
+    synced = [s for s in sorted(by_step) if "outer_sync_s" in by_step[s]]
+    plain = [delta[s] for s in window if s not in synced]
+    rest = statistics.median(plain) if plain else None
+    measured = [s for s in synced if s in delta and rest is not None]
+    kernel = sum(delta[s] - rest for s in measured)
+    meter = sum(by_step[s]["outer_bytes_per_sync"] * devices for s in measured)
+    return dict(outer_sync_s_by_step={str(s): by_step[s]["outer_sync_s"] for s in synced},
+                kernel_bytes_per_step_without_sync=rest,
+                kernel_sync_bytes=kernel if measured else None,
+                meter_sync_bytes=meter if measured else None,
+                kernel_over_meter_sync=kernel / meter if measured and meter else None)
 
 
 # ---------------------------------------------------------------- the sweep
@@ -314,13 +353,20 @@ def time_to_target(rows: list[dict], rate: str) -> dict | None:
         name = r["settings"]["policy"]
         if name in out["policies"] or (r["settings"]["kind"] != "ttl" and r is not base):
             continue
+        every = int(POLICIES.get(name, {}).get("outer.every", 0))
+        # Between an outer loop's syncs each island holds its own model: only
+        # a synced one counts (train.eval_every a multiple of outer.every).
         hit = next((int(s) for s, v in sorted(r["val_losses"].items(), key=lambda kv: int(kv[0]))
-                    if v <= target), None)
+                    if v <= target and not (every and int(s) % every)), None)
+        syncs = r.get("outer_sync_s_by_step", {})
         out["policies"][name] = dict(
             kind=r["settings"]["kind"], commit=r["commit"],
             steps_run=r["settings"]["steps"], reached=hit is not None, step=hit,
-            time_s=sum(r["step_times_s"][:hit]) if hit else None,
-            best_val_loss=min(r["val_losses"].values()) if r["val_losses"] else None)
+            # An outer loop's time is its inner steps' and its syncs' up to the hit.
+            time_s=sum(r["step_times_s"][:hit]) + sum(t for s, t in syncs.items() if int(s) <= hit)
+            if hit else None,
+            best_val_loss=min((v for s, v in r["val_losses"].items()
+                               if not (every and int(s) % every)), default=None))
     return out
 
 

@@ -107,6 +107,31 @@ def test_time_to_target_is_the_first_evaluation_at_or_below_the_baselines_loss()
     assert ttl["policies"]["naive"]["reached"] is False and "baseline" in ttl["policies"]
 
 
+def test_an_outer_loop_reaches_the_loss_only_with_a_synced_model_and_pays_for_its_syncs():
+    every = int(net.POLICIES["diloco"]["outer.every"])
+    rows = [_row("baseline", "sweep", 4, {4: 2.0}),
+            # Step 2's island mean is below the target, but no island holds the
+            # synced model there: the first synced loss at or below it counts.
+            _row("diloco", "ttl", 2 * every, {2: 1.5, every: 2.5, 2 * every: 1.9})]
+    rows[1]["outer_sync_s_by_step"] = {str(every): 0.5, str(2 * every): 0.25}
+    got = net.time_to_target(rows, "100mbit")["policies"]["diloco"]
+    assert got["step"] == 2 * every
+    assert got["time_s"] == 2 * every * 1.0 + 0.75  # the inner steps' and both syncs' time
+    assert got["best_val_loss"] == 1.9
+
+
+def test_a_sync_s_bytes_on_the_link_are_its_steps_excess_over_a_plain_step():
+    by_step = {s: {"step": s} for s in range(1, 7)}
+    static = {"outer_bytes_per_step": 100.0}
+    by_step[4].update(outer_sync_s=0.1, outer_bytes_per_sync=400.0)
+    delta = {2: 10.0, 3: 12.0, 4: 3212.0, 5: 11.0, 6: 10.0}
+    got = net._outer_figures(by_step, static, [2, 3, 4, 5, 6], delta, devices=8)
+    assert got["kernel_bytes_per_step_without_sync"] == 10.5
+    assert got["kernel_sync_bytes"] == 3201.5 and got["meter_sync_bytes"] == 3200.0
+    assert got["outer_sync_s_by_step"] == {"4": 0.1}
+    assert net._outer_figures(by_step, {}, [2], delta, devices=8) == {}  # every-step run
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(bool(_namespaces_unavailable()), reason=str(_namespaces_unavailable()))
 def test_kernel_bytes_on_a_throttled_link_track_the_meter(tmp_path):
