@@ -69,8 +69,42 @@ def settings(runs: list[dict]) -> list[dict]:
             gap_pct=mean_interval([r["gap_pct"] for r in paired]) if paired else None,
             paired_seeds=[r["seed"] for r in paired],
             byte_ratio=statistics.fmean(r["byte_ratio"] for r in paired) if paired else None,
+            across_bytes=_across(rows),
             git_commits=sorted({(r.get("git_commit") or "unknown")[:7] for r in rows})))
     return out
+
+
+def _across(rows) -> float | None:
+    """Bytes one device sends across the slow hop per (inner) step, mean over
+    seeds: an outer loop's syncs averaged over H, or an every-step two-hop run's
+    'dcn' messages; None for a run without two hops."""
+    vals = [r["outer_bytes_per_step"] if r.get("outer_bytes_per_step") is not None
+            else r.get("wire_bytes_dcn") for r in rows]
+    return statistics.fmean(vals) if vals and all(v is not None for v in vals) else None
+
+
+ACROSS_REFERENCE = "hop_raw"  # the every-step run with two hops and nothing coded
+
+
+def across_table(sts: list[dict], table) -> list[str]:
+    """Markdown lines: each two-hop setting's bytes across the slow hop per
+    step against the every-step uncoded run's, beside its loss gap."""
+    rows = [st for st in sts if st.get("across_bytes") is not None]
+    if not rows:
+        return []
+    ref = next((st["across_bytes"] for st in rows if st["name"] == ACROSS_REFERENCE), None)
+    return ["", "Across the slow hop (between the two halves of the data axis): bytes one "
+            "device sends per step, an outer loop's syncs averaged over its inner steps "
+            f"(outer_bytes_per_step), against {ACROSS_REFERENCE}'s, the every-step run with "
+            "nothing coded.", "",
+            table(["setting", "bytes across per step", f"vs {ACROSS_REFERENCE}",
+                   f"fewer than {ACROSS_REFERENCE}", "gap % (mean)", "gap 95% interval", "seeds"],
+                  [[st["name"], f"{st['across_bytes']:,.0f}",
+                    f"{st['across_bytes'] / ref:.4f}" if ref else "n/a",
+                    f"{ref / st['across_bytes']:.0f}x" if ref and st["across_bytes"] else "n/a",
+                    f"{st['gap_pct']['mean']:+.2f}" if st.get("gap_pct") else "n/a",
+                    _fmt_ci(st["gap_pct"]) if st.get("gap_pct") else "n/a",
+                    ", ".join(map(str, st["seeds"]))] for st in rows])]
 
 
 def _compressed_forward(rows) -> dict:
@@ -293,6 +327,7 @@ def section(summary: dict, rel_dir: str, compressed_what, table) -> str:
                       [[st["name"], f"{st['byte_ratio']:.3f}", f"{st['gap_pct']['mean']:+.2f}",
                         _fmt_ci(st["gap_pct"]), str(st["gap_pct"]["n"]),
                         "yes" if _meets(st) else "no"] for st in front])]
+    out += across_table(summary["settings"], table)
     for name, png in summary.get("plots", {}).items():
         what = {"seeds": f"the mean over seeds of each seed's running mean over {SMOOTH_STEPS} "
                          "steps, the band from the lowest seed to the highest, points the mean "

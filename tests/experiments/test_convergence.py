@@ -345,11 +345,11 @@ def test_mean_interval_is_the_student_t_interval():
         seeds_lib.t975(0)
 
 
-def _fake_run(out, name, steps, seed, val, wire=100.0):
+def _fake_run(out, name, steps, seed, val, wire=100.0, **first):
     spec = next(s for s in conv.run_specs() if s["name"] == name)
     wd = out / conv.workdir_name(spec, steps, seed)
     wd.mkdir(parents=True)
-    recs = [{"step": 1, "loss": 5.0, "wire_bytes_total": wire, "wire_bytes_data": wire}]
+    recs = [{"step": 1, "loss": 5.0, "wire_bytes_total": wire, "wire_bytes_data": wire, **first}]
     recs += [{"step": s, "loss": val + 1.0 / s, "val_loss": val if s == steps else val + 0.5}
              for s in range(2, steps + 1)]
     (wd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -502,3 +502,28 @@ def test_a_forward_codec_that_moves_the_loss_beyond_the_seed_spread_is_flagged()
     assert "val_loss_compressed" not in sts["grad_only"]
     cells = [seeds_lib._forward_cell(sts[n]) for n in ("hybrid", "calm", "grad_only")]
     assert "**FLAG**" in cells[0] and "FLAG" not in cells[1] and cells[2].startswith("= exact")
+
+
+def test_the_outer_suite_reports_bytes_across_the_slow_hop_against_the_uncoded_two_hop_run(
+        tmp_path):
+    names = [sp["name"] for sp in conv.select("outer")]
+    assert names[:2] == ["baseline", "hop_raw"] and "outer_h50_f5_int4rot" in names
+    h10 = next(sp for sp in conv.run_specs() if sp["name"] == "outer_h10_topk3_ef")
+    args = conv.train_args(h10, "configs/base.py", 600, 120, 60)
+    for flag in ("--config.mesh.dcn_data=2", "--config.outer.every=10",
+                 "--config.outer.codec=topk:0.03", "--config.outer.error_feedback=on"):
+        assert flag in args
+    steps = 8
+    for seed in (0, 1):
+        _fake_run(tmp_path, "baseline", steps, seed, 2.0)
+        _fake_run(tmp_path, "hop_raw", steps, seed, 2.0, wire_bytes_dcn=5000.0)
+        _fake_run(tmp_path, "outer_h10_int4rot", steps, seed, 2.02, outer_bytes_per_step=50.0)
+    runs = conv.collect(str(tmp_path), steps, lambda spec, seed=0: [], seeds=[0, 1])
+    sts = seeds_lib.settings(runs)
+    by = {st["name"]: st for st in sts}
+    assert by["baseline"]["across_bytes"] is None  # one hop: nothing is "across"
+    assert by["hop_raw"]["across_bytes"] == 5000.0
+    assert by["outer_h10_int4rot"]["across_bytes"] == 50.0
+    text = "\n".join(seeds_lib.across_table(sts, report.table))
+    row = next(line for line in text.splitlines() if line.startswith("| outer_h10_int4rot"))
+    assert "| 0.0100 | 100x | +1.00 |" in row
