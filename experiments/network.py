@@ -91,7 +91,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join("experiments", "results", "network.json")
 HOPS_OUT = os.path.join("experiments", "results", "network_hops.json")
 TOTAL_DEVICES = 8
-OUTER = {"outer.every": "10", "outer.lr": "0.7", "outer.momentum": "0.9"}
+OUTER = {"outer.every": "10", "outer.lr": "1.0", "outer.momentum": "0.0"}
 POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those sections')
     "baseline": {"policy": "baseline"},
     "naive": {"policy": "naive"},
@@ -117,9 +117,10 @@ POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those 
     # so the two compare the hops alone. configs/multinode.py's compression.
     "hybrid_perhop": {"policy": "hybrid", "mesh.dcn_data": "2", "data.grad": "none",
                       "data.param": "none", "dcn.grad": "int4:rot", "dcn.param": "int8"},
-    # An outer loop across the slow hop (configs/diloco.py): each process an
-    # island that trains alone, nothing coded inside; every 10 steps the islands
-    # exchange int4:rot pseudo-gradients (DiLoCo's outer Nesterov SGD, lr 0.7).
+    # An outer loop across the slow hop: each process an island that trains
+    # alone, nothing coded inside; every 10 steps the islands exchange int4:rot
+    # pseudo-gradients and step to their mean (outer lr 1, no momentum: the
+    # convergence suite's choice, experiments/convergence.py OUTER_RUNS).
     "diloco": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER,
                "outer.codec": "int4:rot", "outer.error_feedback": "off"},
     # The same with SparseLoCo's pseudo-gradients: top-k 3% with error feedback.
