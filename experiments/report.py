@@ -10,7 +10,8 @@ collectives.json (benchmarks/collectives.py), collectives_sizes.json
 gpu.json (benchmarks/gpu.py), in benchmarks/results/; every
 convergence*/summary.json (experiments/convergence.py), projection.json
 (experiments/projection.py, with its link profile) and network.json
-(experiments/network.py) and network_hops.json (experiments/network.py --hops),
+(experiments/network.py), network_hops.json (experiments/network.py --hops) and
+network_outer.json (--hops with the outer-loop policies),
 in experiments/results/; see report_network.py for those and gpu.json.
 Every number and every PASS/FAIL in the page is computed from those files;
 only the explanatory prose is fixed text.
@@ -540,6 +541,7 @@ def build(results, page_dir: str) -> str:
     proj, col, sz, par = (load("projection.json"), load("collectives.json"),
                           load("collectives_sizes.json"), load("parallel.json"))
     net, gpu, hops = load("network.json"), load("gpu.json"), load("network_hops.json")
+    outer = load("network_outer.json")
 
     commands = [i for _, s in summaries for i in s.get("invocations", [])]
     if proj:
@@ -552,8 +554,9 @@ def build(results, page_dir: str) -> str:
         commands.append(f"python -m benchmarks.parallel --repeats {par['repeats']}")
     if net:
         commands += report_network.commands(net)
-    if hops:
-        commands += report_network.commands(hops)
+    for rig in (hops, outer):
+        if rig:
+            commands += report_network.commands(rig)
     if gpu:
         commands.append(gpu["command"])
     commands.append("python -m experiments.report")
@@ -621,6 +624,11 @@ def build(results, page_dir: str) -> str:
         page += ["## Two hops: a throttled link between two processes (experiments/network.py "
                  "--hops)", "", text, ""]
         claims += hop_claims
+    if outer:
+        text, outer_claims = report_network.outer_section(outer)
+        page += ["## An outer loop across a throttled link (experiments/network.py --hops, "
+                 "outer-loop policies)", "", text, ""]
+        claims += outer_claims
     page += ["## GPU (benchmarks/gpu.py)", "", report_network.gpu_section(gpu), ""]
     page += ["## What matches the papers, what doesn't, and why", ""]
     page += [f"- {c}" for c in claims] or ["- No convergence or projection results yet."]

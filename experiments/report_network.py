@@ -422,3 +422,54 @@ def hops_section(net: dict) -> tuple[str, list[str]]:
                          _f(t["time_s"] / t_base, ".2f") if t["reached"] and t_base else "n/a",
                          _f(t["best_val_loss"], ".4f")] for n, t in ttl["policies"].items()])]
     return "\n".join(out), claims
+
+
+# The outer-loop policies of experiments/network.py.
+OUTER_POLICIES = ("diloco", "sparseloco")
+
+
+def outer_section(net: dict) -> tuple[str, list[str]]:
+    """(markdown, claims) for network_outer.json (experiments/network.py --hops
+    with outer-loop policies): the two-hop table, then per outer row each
+    sync's bytes on the link against the meter's, and the time to the
+    baseline's loss at each rate."""
+    text, _ = hops_section(net)
+    commit = _main_commit(net)
+    if commit is None:
+        return text, []
+    sweep = [r for r in _sweep(net, commit) if r.get("kernel_sync_bytes") is not None]
+    groups = {}
+    for r in sweep:
+        groups.setdefault((r["settings"]["rate"], r["settings"]["policy"]), []).append(r)
+    med = lambda rs, k: statistics.median(r[k] for r in rs)
+    rows = [[rate, policy, str(len(rs)), _f(med(rs, "kernel_bytes_per_step_without_sync"), ",.0f"),
+             _f(med(rs, "kernel_sync_bytes") / 1e3, ".1f"), _f(med(rs, "meter_sync_bytes") / 1e3, ".1f"),
+             _f(med(rs, "kernel_over_meter_sync"), ".3f")]
+            for (rate, policy), rs in groups.items()]
+    out = [text]
+    if rows:
+        out += ["", "Outer-loop rows: a step without a sync still sends a little across (the "
+                "islands' mean loss for the log, and the coordination service's preemption check "
+                "each step: small messages whose TCP headers dominate); a sync's bytes on the link are its step's kernel bytes "
+                "less the median step without one, against the meter's (outer_bytes_per_sync, "
+                "read from the compiled sync program, x 8 devices).", "",
+                _table(["link", "policy", "runs", "link B per plain step", "link kB per sync",
+                        "meter kB per sync", "link/meter"], rows)]
+    claims = []
+    for rate, ttl in sorted((net.get("ttl_by_rate") or {}).items()):
+        pol = ttl["policies"]
+        base = pol.get("baseline", {})
+        every = [n for n in pol if n not in OUTER_POLICIES and n != "baseline" and pol[n]["reached"]]
+        best_every = min(every, key=lambda n: pol[n]["time_s"], default=None)
+        for name in OUTER_POLICIES:
+            t = pol.get(name)
+            if not t or not base.get("reached"):
+                continue
+            what = (f"reaches it in {t['time_s']:.1f} s (step {t['step']}), "
+                    f"{t['time_s'] / base['time_s']:.2f}x the baseline's {base['time_s']:.1f} s"
+                    + (f" and {t['time_s'] / pol[best_every]['time_s']:.2f}x {best_every}'s"
+                       if best_every else "") if t["reached"]
+                    else f"does not reach it in {t['steps_run']} steps")
+            claims.append(f"Outer loop across a {rate} link: {name} {what} (time to the "
+                          f"baseline's loss {ttl['target_val_loss']:.4f}, one run each).")
+    return "\n".join(out), claims

@@ -365,6 +365,39 @@ def test_the_hops_section_compares_per_hop_with_flat_hybrid_side_by_side():
     assert rep.commands({"rows": rows})[0].startswith("python -m experiments.network --hops ")
 
 
+def test_the_outer_section_gives_each_syncs_bytes_and_the_time_to_the_baselines_loss():
+    def row(policy, sync=None):
+        settings = dict(procs=2, config="configs/base.py", warmup_steps=2, hops=True,
+                        set={"mesh.data": "4"}, kind="sweep", rate="10mbit", policy=policy,
+                        steps=14, eval_every=14, repeat=0)
+        r = dict(settings=settings, commit="abc1234def", date="2026-12-04T00", loadavg_before=1.0,
+                 median_step_s=1.0, kernel_bytes_per_step=1e5, tcp_payload_per_step=9e4,
+                 meter_slow_hop_bytes_per_step=8e4, final_loss=2.0)
+        if sync:
+            r.update(kernel_bytes_per_step_without_sync=13000.0, kernel_sync_bytes=sync,
+                     meter_sync_bytes=8e5, kernel_over_meter_sync=sync / 8e5)
+        return r
+
+    def ttl(step, time):
+        return dict(kind="ttl", commit="abc1234def", steps_run=28, reached=step is not None,
+                    step=step, time_s=time, best_val_loss=3.0)
+
+    net = {"rows": [row("baseline"), row("hybrid_perhop"), row("diloco", sync=8.4e5)],
+           "warm_steps": 2,
+           "ttl_by_rate": {"10mbit": {"rate": "10mbit", "target_val_loss": 3.1, "policies": {
+               "baseline": ttl(10, 40.0), "hybrid_perhop": ttl(10, 8.0),
+               "diloco": ttl(20, 4.0), "sparseloco": ttl(None, None)}}}}
+    text, claims = rep.outer_section(net)
+    sync_row = next(l for l in text.splitlines() if l.startswith("| 10mbit | diloco | 1 |"))
+    assert sync_row.split("|")[4:8] == [" 13,000 ", " 840.0 ", " 800.0 ", " 1.050 "]
+    assert claims == [
+        "Outer loop across a 10mbit link: diloco reaches it in 4.0 s (step 20), 0.10x the "
+        "baseline's 40.0 s and 0.50x hybrid_perhop's (time to the baseline's loss 3.1000, one "
+        "run each).",
+        "Outer loop across a 10mbit link: sparseloco does not reach it in 28 steps (time to the "
+        "baseline's loss 3.1000, one run each)."]
+
+
 @pytest.mark.skipif(bool(_namespaces_unavailable()), reason=str(_namespaces_unavailable()))
 def test_a_fresh_namespace_reads_its_own_loopback():
     """Its counters are read through a process that enters the namespace: read
