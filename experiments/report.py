@@ -9,7 +9,7 @@ collectives.json (benchmarks/collectives.py), collectives_sizes.json
 (benchmarks/collectives.py --sizes), parallel.json (benchmarks/parallel.py) and
 gpu.json (benchmarks/gpu.py), in benchmarks/results/; every
 convergence*/summary.json (experiments/convergence.py), projection.json
-(experiments/projection.py, with its link profile) and network.json
+(experiments/projection.py, with its link profile), network.json
 (experiments/network.py), network_hops.json (experiments/network.py --hops) and
 network_outer.json (--hops with the outer-loop policies),
 in experiments/results/; see report_network.py for those and gpu.json.
