@@ -8,6 +8,7 @@ import statistics
 import subprocess
 
 from experiments import linkprofile
+from tools.netns import TBF, rate_bits
 
 STEP_RATIO_TARGET = 0.35    # hybrid's step time at 100 Mbit/s, vs the baseline's
 BYTES_TOLERANCE = 0.10      # kernel bytes vs the meter's
@@ -386,6 +387,13 @@ def hops_section(net: dict) -> tuple[str, list[str]]:
                      _f(slow and slow / 1e6, ".3f"),
                      _f(pay / slow, ".3f") if pay and slow else "n/a",
                      _f(med(rs, "final_loss"), ".4f")])
+    over = []  # rows that moved their bytes faster than the link's rate
+    for (rate, policy), rs in groups.items():
+        step, link, bits = med(rs, "median_step_s"), med(rs, "kernel_bytes_per_step"), \
+            rate_bits(rate)
+        if step and link and bits and link / 2 * 8 / bits > step:
+            over.append(f"{rate} {policy} ({step:.3f} s; its {link / 2e6:.2f} MB each way need "
+                        f"{link / 2 * 8 / bits:.3f} s at the rate)")
     failed = {}
     for r in net["rows"]:
         st = r["settings"]
@@ -398,6 +406,12 @@ def hops_section(net: dict) -> tuple[str, list[str]]:
     out.append(_table(["link", "policy", "step s", "runs", "vs baseline", "link MB/step",
                        "payload MB/step", "meter slow hop MB/step", "payload/meter",
                        "final loss"], rows))
+    if over:
+        out += ["", "Faster than their link: tc's token bucket (tbf, burst "
+                f"{TBF[1]}) starts full and lets a run send that much above the rate, which "
+                f"covers most of a {s0['steps']}-step run's excess; at the rate alone their "
+                "step could not be shorter than the link's time for the bytes each way: "
+                + "; ".join(over) + "."]
     if failed:
         out += ["", "Failed runs (the first line of each error): " + "; ".join(
             f"{rate} {policy}: " + errs[0].split(" | ")[0][:200]

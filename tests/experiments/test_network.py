@@ -365,6 +365,24 @@ def test_the_hops_section_compares_per_hop_with_flat_hybrid_side_by_side():
     assert rep.commands({"rows": rows})[0].startswith("python -m experiments.network --hops ")
 
 
+def test_a_row_faster_than_its_links_rate_is_named_with_the_time_its_bytes_need():
+    def row(policy, step, link):
+        settings = dict(procs=2, config="configs/base.py", warmup_steps=2, hops=True,
+                        set={"mesh.data": "4"}, kind="sweep", rate="10mbit", policy=policy,
+                        steps=14, eval_every=14, repeat=0)
+        return dict(settings=settings, commit="abc1234def", date="2026-12-04T00",
+                    loadavg_before=1.0, median_step_s=step, kernel_bytes_per_step=link,
+                    tcp_payload_per_step=link, meter_slow_hop_bytes_per_step=None, final_loss=2.0)
+
+    # 10 MB a step is 5 MB each way: 4 s at 10 Mbit/s, under the baseline's 4.2 s;
+    # per hop's 0.67 MB each way need 0.532 s, more than its 0.356 s step.
+    text, _ = rep.hops_section({"rows": [row("baseline", 4.2, 10e6),
+                                         row("hybrid_perhop", 0.356, 1.33e6)], "warm_steps": 2})
+    note = next(l for l in text.splitlines() if l.startswith("Faster than their link"))
+    assert "10mbit hybrid_perhop (0.356 s; its 0.67 MB each way need 0.532 s at the rate)" in note
+    assert "baseline" not in note
+
+
 def test_the_outer_section_gives_each_syncs_bytes_and_the_time_to_the_baselines_loss():
     def row(policy, sync=None):
         settings = dict(procs=2, config="configs/base.py", warmup_steps=2, hops=True,
