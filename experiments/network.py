@@ -84,7 +84,7 @@ import sys
 import tempfile
 import time
 
-from tools.netns import PREFIX, Namespace, Pair, Unavailable, rate_bits, remove_stale  # noqa: F401
+from tools.netns import BURST, PREFIX, Namespace, Pair, Unavailable, rate_bits, remove_stale  # noqa: F401
 from tools.netns import _run, signals_deferred, unavailable_reason  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -318,7 +318,10 @@ def git_commit() -> tuple[str, bool]:
 
 def plan(args) -> list[dict]:
     """Every row's settings, sweep rows first, then the time-to-loss rows."""
+    # A burst other than the default is part of a row's settings (rows without
+    # the key ran at BURST).
     common = dict(procs=args.procs, config=args.config, warmup_steps=args.warmup_steps,
+                  **({"burst": args.burst} if args.burst != BURST else {}),
                   set=dict(args.set), **({"hops": True} if args.hops else {}))
     rows = [dict(common, kind="sweep", rate=r, policy=p, steps=args.steps, eval_every=args.steps,
                  repeat=i)
@@ -414,7 +417,7 @@ def sweep(args) -> int:
     os.makedirs(args.workroot, exist_ok=True)
     with (Pair() if args.hops else Namespace()) as ns:
         for n, settings in enumerate(todo):
-            ns.set_rate(settings["rate"])
+            ns.set_rate(settings["rate"], settings.get("burst", BURST))
             workdir = tempfile.mkdtemp(prefix=f"{settings['policy']}-", dir=args.workroot)
             row = dict(settings=settings, commit=commit, dirty=dirty, qdisc=ns.qdisc(),
                        namespace=ns.name,
@@ -509,6 +512,9 @@ def parse_args(argv):
     p.add_argument("--set", type=_key_value, action="append", default=[],
                    help="config override KEY=VALUE for every run (e.g. train.batch_size=16)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run; killed after")
+    p.add_argument("--burst", default=BURST,
+                   help="tc tbf's bucket (tc's units, > 64kb): it starts full, so a run sends "
+                        "up to this much above the rate")
     p.add_argument("--port", type=int, default=23456, help="first coordinator port (in the namespace)")
     p.add_argument("--xla-flags", default="", help="XLA_FLAGS of the train.py processes")
     p.add_argument("--workroot", default=os.path.join(tempfile.gettempdir(), "jcomp-network"))

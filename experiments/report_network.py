@@ -8,7 +8,7 @@ import statistics
 import subprocess
 
 from experiments import linkprofile
-from tools.netns import TBF, rate_bits
+from tools.netns import BURST, rate_bits
 
 STEP_RATIO_TARGET = 0.35    # hybrid's step time at 100 Mbit/s, vs the baseline's
 BYTES_TOLERANCE = 0.10      # kernel bytes vs the meter's
@@ -366,7 +366,8 @@ def hops_section(net: dict) -> tuple[str, list[str]]:
                      if k.startswith("mesh."))
     out = [f"{s0['procs']} processes x {8 // s0['procs']} CPU devices of {s0['config']} "
            f"({mesh or 'its mesh'}), each process in a network namespace of its own, the two "
-           "joined by a veth pair throttled by tc tbf at both ends: only what goes from one "
+           f"joined by a veth pair throttled by tc tbf (burst {s0.get('burst', BURST)}) at "
+           "both ends: only what goes from one "
            "process to the other is throttled and counted (the slow hop); a process's own "
            f"devices talk over its unthrottled loopback. {s0['steps']} steps per run, medians "
            f"over the steps after the first {net.get('warm_steps', 2)}, then the median over "
@@ -408,8 +409,8 @@ def hops_section(net: dict) -> tuple[str, list[str]]:
                        "final loss"], rows))
     if over:
         out += ["", "Faster than their link: tc's token bucket (tbf, burst "
-                f"{TBF[1]}) starts full and lets a run send that much above the rate, which "
-                f"covers most of a {s0['steps']}-step run's excess; at the rate alone their "
+                f"{s0.get('burst', BURST)}) starts full and lets a run send that much above "
+                f"the rate, which can cover a {s0['steps']}-step run's excess; at the rate their "
                 "step could not be shorter than the link's time for the bytes each way: "
                 + "; ".join(over) + "."]
     if failed:

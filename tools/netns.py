@@ -29,8 +29,14 @@ import sys
 import time
 
 PREFIX = "jcnet-"
-# tbf's burst must exceed the loopback MTU (64 KiB), or TCP stalls until it times out.
-TBF = ("burst", "4mb", "latency", "500ms")
+# tbf's burst must exceed the loopback MTU (64 KiB, also a veth's GSO packets), or
+# TCP stalls until it times out. The bucket starts full: a run sends up to a burst
+# above the rate, which a short run at a low rate notices (set_rate's `burst`).
+BURST = "4mb"
+
+
+def _tbf(rate: str, burst: str) -> list[str]:
+    return ["tbf", "rate", rate, "burst", burst, "latency", "500ms"]
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _UNIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
@@ -167,13 +173,13 @@ class Namespace:
 
     coordinator_host = "127.0.0.1"
 
-    def set_rate(self, rate: str):
+    def set_rate(self, rate: str, burst: str = BURST):
         """tbf on the namespace's loopback at `rate`, or no qdisc for 'unthrottled'."""
         if rate_bits(rate) is None:
             _run(*self.exec_args(["tc", "qdisc", "del", "dev", "lo", "root"]), check=False)
         else:
-            _run(*self.exec_args(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
-                                  "rate", rate, *TBF]))
+            _run(*self.exec_args(["tc", "qdisc", "replace", "dev", "lo", "root",
+                                  *_tbf(rate, burst)]))
 
     def qdisc(self) -> str:
         return _run(*self.exec_args(["tc", "qdisc", "show", "dev", "lo"])).stdout.strip()
@@ -265,14 +271,14 @@ class Pair:
         """`argv` in namespace `process` (0 or 1)."""
         return ["ip", "netns", "exec", self.names[process], *argv]
 
-    def set_rate(self, rate: str):
+    def set_rate(self, rate: str, burst: str = BURST):
         """tbf on both veth ends (each throttles what leaves through it), or none."""
         for ns, veth in zip(self.names, self.veths):
             if rate_bits(rate) is None:
                 _run("tc", "-n", ns, "qdisc", "del", "dev", veth, "root", check=False)
             else:
-                _run("tc", "-n", ns, "qdisc", "replace", "dev", veth, "root", "tbf",
-                     "rate", rate, *TBF)
+                _run("tc", "-n", ns, "qdisc", "replace", "dev", veth, "root",
+                     *_tbf(rate, burst))
 
     def qdisc(self) -> str:
         return " / ".join(_run("tc", "-n", ns, "qdisc", "show", "dev", veth).stdout.strip()
