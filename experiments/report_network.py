@@ -452,9 +452,11 @@ def outer_section(net: dict) -> tuple[str, list[str]]:
     commit = _main_commit(net)
     if commit is None:
         return text, []
-    sweep = [r for r in _sweep(net, commit) if r.get("kernel_sync_bytes") is not None]
+    # Each run's own figures (sweep_rows keeps the first run's beside the median time).
+    synced = [r for r in _rows(net, commit) if r["settings"]["kind"] == "sweep"
+              and r.get("kernel_sync_bytes") is not None]
     groups = {}
-    for r in sweep:
+    for r in synced:
         groups.setdefault((r["settings"]["rate"], r["settings"]["policy"]), []).append(r)
     med = lambda rs, k: statistics.median(r[k] for r in rs)
     rows = [[rate, policy, str(len(rs)), _f(med(rs, "kernel_bytes_per_step_without_sync"), ",.0f"),
