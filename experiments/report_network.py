@@ -459,24 +459,28 @@ def outer_section(net: dict) -> tuple[str, list[str]]:
     for r in synced:
         groups.setdefault((r["settings"]["rate"], r["settings"]["policy"]), []).append(r)
     med = lambda rs, k: statistics.median(r[k] for r in rs)
-    rows = [[rate, policy, str(len(rs)), _f(med(rs, "kernel_bytes_per_step_without_sync"), ",.0f"),
-             _f(med(rs, "kernel_sync_bytes") / 1e3, ".1f"), _f(med(rs, "meter_sync_bytes") / 1e3, ".1f"),
+    rows = [[rate, policy, str(len(rs)),
+             _f(med(rs, "kernel_bytes_per_step_without_sync"), ",.0f"),
+             _f(med(rs, "kernel_sync_bytes") / 1e3, ".1f"),
+             _f(med(rs, "meter_sync_bytes") / 1e3, ".1f"),
              _f(med(rs, "kernel_over_meter_sync"), ".3f")]
             for (rate, policy), rs in groups.items()]
     out = [text]
     if rows:
         out += ["", "Outer-loop rows: a step without a sync still sends a little across (the "
-                "islands' mean loss for the log, and the coordination service's preemption check "
-                "each step: small messages whose TCP headers dominate); a sync's bytes on the link are its step's kernel bytes "
-                "less the median step without one, against the meter's (outer_bytes_per_sync, "
-                "read from the compiled sync program, x 8 devices).", "",
+                "islands' mean loss for the log, and the coordination service's preemption "
+                "check each step: small messages whose TCP headers dominate); a sync's bytes "
+                "on the link are its step's kernel bytes less the median step without one, "
+                "against the meter's (outer_bytes_per_sync, read from the compiled sync "
+                "program, x 8 devices).", "",
                 _table(["link", "policy", "runs", "link B per plain step", "link kB per sync",
                         "meter kB per sync", "link/meter"], rows)]
     claims = []
     for rate, ttl in sorted((net.get("ttl_by_rate") or {}).items()):
         pol = ttl["policies"]
         base = pol.get("baseline", {})
-        every = [n for n in pol if n not in OUTER_POLICIES and n != "baseline" and pol[n]["reached"]]
+        every = [n for n in pol
+                 if n not in OUTER_POLICIES and n != "baseline" and pol[n]["reached"]]
         best_every = min(every, key=lambda n: pol[n]["time_s"], default=None)
         for name in OUTER_POLICIES:
             t = pol.get(name)

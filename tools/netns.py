@@ -35,10 +35,12 @@ PREFIX = "jcnet-"
 BURST = "4mb"
 
 
-def _tbf(rate: str, burst: str) -> list[str]:
-    return ["tbf", "rate", rate, "burst", burst, "latency", "500ms"]
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _UNIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def _tbf(rate: str, burst: str) -> list[str]:
+    return ["tbf", "rate", rate, "burst", burst, "latency", "500ms"]
 
 
 class Unavailable(RuntimeError):
