@@ -121,8 +121,36 @@ def _tiny_steps(dcn, n=2):
     return losses, jax.tree.map(np.asarray, state["params"])
 
 
+STUCK = "Termination timeout for"  # XLA's CPU runtime ending stuck collectives
+
+
+def _two_hop_steps_in_a_child(tmp_path, tries=2):
+    """_tiny_steps(2) in a child process. On emulated CPU devices XLA's runtime
+    sometimes stops the two-hop step in its collectives and aborts the process
+    (README, "Known problem"): in a child, that ends this test and not the test
+    worker, and one such stop is retried in a fresh process. Any other failure,
+    or a second stop, fails the test."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = str(tmp_path / "two_hops.npz")
+    code = ("import sys, jax, numpy as np; sys.path.insert(0, %r); "
+            "from tests.gpt.test_step import _tiny_steps; losses, params = _tiny_steps(2); "
+            "np.savez(%r, np.asarray(losses), *jax.tree.leaves(params))") % (root, out)
+    for attempt in range(tries):
+        r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                           text=True, timeout=900)
+        if r.returncode == 0:
+            break
+        assert STUCK in r.stderr and attempt < tries - 1, r.stderr[-3000:]
+    z = np.load(out)
+    return list(z["arr_0"]), [z[f"arr_{i}"] for i in range(1, len(z.files))]
+
+
 @pytest.mark.slow
-def test_two_hops_uncompressed_match_one_hop():
+def test_two_hops_uncompressed_match_one_hop(tmp_path):
     """dcn_data=2 (batch over ('dcn', 'data'), the loss mean and the ZeRO
     messages hop by hop) with every codec none is the one-hop step up to the
     order of float32 sums: losses within 1e-6 relative, and after two AdamW
@@ -132,8 +160,8 @@ def test_two_hops_uncompressed_match_one_hop():
     moves by ~lr either way (seen: 3e-7 apart on a leaf of largest entry 0.02)."""
     import jax
     import numpy as np
-    one, two = _tiny_steps(1), _tiny_steps(2)
+    one, two = _tiny_steps(1), _two_hop_steps_in_a_child(tmp_path)
     np.testing.assert_allclose(two[0], one[0], rtol=1e-6)
-    worst = max(float(np.abs(a - b).max())
-                for a, b in zip(jax.tree.leaves(two[1]), jax.tree.leaves(one[1])))
+    assert len(two[1]) == len(jax.tree.leaves(one[1]))
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(two[1], jax.tree.leaves(one[1])))
     assert worst <= 1e-4 * 2 * 1e-2, worst
