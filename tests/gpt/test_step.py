@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.train.test_train import TINY, losses, run
+from tests.train.test_train import ROOT, TINY, losses, run
 
 RANDOM = ["--config.compression.data.grad=randk:0.1", "--config.compression.error_feedback=on",
           "--config.compression.data.param=int8:sr"]
@@ -121,9 +121,6 @@ def _tiny_steps(dcn, n=2):
     return losses, jax.tree.map(np.asarray, state["params"])
 
 
-STUCK = "Termination timeout for"  # XLA's CPU runtime ending stuck collectives
-
-
 def _two_hop_steps_in_a_child(tmp_path, tries=2):
     """_tiny_steps(2) in a child process. On emulated CPU devices XLA's runtime
     sometimes stops the two-hop step in its collectives and aborts the process
@@ -134,13 +131,14 @@ def _two_hop_steps_in_a_child(tmp_path, tries=2):
     import sys
 
     import numpy as np
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    from experiments.convergence import STUCK
     out = str(tmp_path / "two_hops.npz")
     code = ("import sys, jax, numpy as np; sys.path.insert(0, %r); "
             "from tests.gpt.test_step import _tiny_steps; losses, params = _tiny_steps(2); "
-            "np.savez(%r, np.asarray(losses), *jax.tree.leaves(params))") % (root, out)
+            "np.savez(%r, np.asarray(losses), *jax.tree.leaves(params))") % (ROOT, out)
     for attempt in range(tries):
-        r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                            text=True, timeout=900)
         if r.returncode == 0:
             break
