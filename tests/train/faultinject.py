@@ -12,6 +12,11 @@ the end-to-end fault tests:
                             NaN loss
     --sigint_during_save=K  send this process SIGINT twice (a double Ctrl-C) at
                             the same point of step K's save
+    --fill_disk_after=K     after step K, once no save is in progress, fill the
+                            workdir's filesystem with the file --fill_file until
+                            --fill_leave bytes are free: the save of step K then
+                            meets a full disk, whatever the size of the saves
+                            before it
 
 Everything after `--` is train.py's command line, run by train.py's own code
 (its signal handlers, flag checks, error lines and exit codes).
@@ -34,9 +39,10 @@ from jcomp.train import hooks  # noqa: E402
 
 class Faults(hooks.Hooks):
     def __init__(self, step_sleep=0.0, kill_during_save=None, nan_steps=(),
-                 sigint_during_save=None):
+                 sigint_during_save=None, fill=None):
         self.step_sleep, self.nan_steps = step_sleep, set(nan_steps)
         self.kill_during_save, self.sigint_during_save = kill_during_save, sigint_during_save
+        self.fill = fill  # (step, checkpoint directory, filler path, bytes to leave)
 
     def before_batch(self, step_no, rows_BxL1, vocab_size):
         if step_no in self.nan_steps:
@@ -47,6 +53,8 @@ class Faults(hooks.Hooks):
     def after_step(self, step_no, record):
         if self.step_sleep:
             time.sleep(self.step_sleep)
+        if self.fill and step_no == self.fill[0]:
+            _fill_disk(*self.fill[1:])
 
     def during_save(self, step_no, directory, stop):
         if step_no == self.kill_during_save:
@@ -69,6 +77,21 @@ def _await_temporary(directory, step_no: int, limit_s: float = 10.0):
     while time.monotonic() - start < limit_s and not any(
             n.startswith(f"{step_no}{TMP_MARK}") for n in os.listdir(directory)):
         time.sleep(0.005)
+
+
+def _fill_disk(ckpt_dir: str, path: str, leave: int, limit_s: float = 60.0):
+    """Waits for the saves in progress to commit, then writes `path` until the
+    filesystem has `leave` bytes (rounded to pages) free."""
+    from jcomp.train.checkpoint import TMP_MARK
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s and any(
+            TMP_MARK in n for n in os.listdir(ckpt_dir)):
+        time.sleep(0.01)
+    fs = os.statvfs(ckpt_dir)
+    size = fs.f_bavail * fs.f_frsize - leave
+    size -= size % fs.f_frsize
+    with open(path, "wb") as f:
+        f.write(b"\0" * max(size, 0))
 
 
 def _at_least_zero(kind):
@@ -96,8 +119,18 @@ def main(argv):
     p.add_argument("--kill_during_save", type=_at_least_zero(int))
     p.add_argument("--nan_step", type=_steps, default=[])
     p.add_argument("--sigint_during_save", type=_at_least_zero(int))
+    p.add_argument("--fill_disk_after", type=_at_least_zero(int))
+    p.add_argument("--fill_file")
+    p.add_argument("--fill_leave", type=_at_least_zero(int), default=0)
     a = p.parse_args(argv[1:cut])
-    faults = Faults(a.step_sleep, a.kill_during_save, a.nan_step, a.sigint_during_save)
+    fill = None
+    if a.fill_disk_after is not None:
+        workdirs = [v.split("=", 1)[1] for v in argv[cut + 1:] if v.startswith("--workdir=")]
+        if not (a.fill_file and workdirs):
+            sys.exit("--fill_disk_after needs --fill_file and train.py's --workdir")
+        fill = (a.fill_disk_after, os.path.join(workdirs[-1], "checkpoints"), a.fill_file,
+                a.fill_leave)
+    faults = Faults(a.step_sleep, a.kill_during_save, a.nan_step, a.sigint_during_save, fill)
     train.run([os.path.join(ROOT, "train.py"), *argv[cut + 1:]], hooks=faults)
 
 

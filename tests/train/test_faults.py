@@ -609,22 +609,23 @@ def _tmpfs_usage(path):
 
 
 def test_disk_full_stops_at_the_failing_save_and_resume_is_exact(reference, tmp_path):
-    """A filesystem with room for one checkpoint and a half: the save of step 8
-    fails. The run stops with exit 3 and one line saying the disk is full and
-    that step 4 is safe; nothing of step 8 is left. With space freed, the same
-    command resumes from step 4 and repeats the reference bit for bit."""
-    # A checkpoint's page count varies by a few files from save to save (orbax's
-    # data files); the smallest of the reference's keeps a larger one from making
-    # room for two.
+    """The filesystem fills up after step 8 (once step 4 is committed), leaving
+    room for half a checkpoint: the save of step 8 fails. The run stops with
+    exit 3 and one line saying the disk is full and that step 4 is safe; nothing
+    of step 8 is left. With space freed, the same command resumes from step 4
+    and repeats the reference bit for bit."""
+    # Filled at a fixed point rather than sized beforehand: a checkpoint's page
+    # count varies from save to save (orbax's data files), and a tmpfs sized for
+    # one and a half of them sometimes failed the first save already.
     sizes = {s: _tmpfs_usage(os.path.join(ckpt_dir(reference), str(s)))
              for s in committed_steps(reference)}
-    one = min(sizes.values())
     mnt = tmp_path / "small"
-    _mount_tmpfs(mnt, (int(1.5 * one) // 4096 + 16) * 4096)
+    _mount_tmpfs(mnt, "64m")
     try:
-        workdir = str(mnt / "w")
+        workdir, filler = str(mnt / "w"), str(mnt / "filler")
         t0 = time.monotonic()
-        proc = run(workdir, *TINY, timeout=120)
+        proc = run(workdir, *TINY, timeout=120, fill_disk_after=8, fill_file=filler,
+                   fill_leave=min(sizes.values()) // 2)
         assert time.monotonic() - t0 < 120
         assert proc.returncode == 3, proc.stderr[-3000:]
         lines = error_lines(proc.stderr)
@@ -638,7 +639,7 @@ def test_disk_full_stops_at_the_failing_save_and_resume_is_exact(reference, tmp_
         left = [n for n in os.listdir(ckpt_dir(workdir)) if TMP_MARK not in n]
         assert left == ["4"], os.listdir(ckpt_dir(workdir))
 
-        _remount(mnt, "size=64m")
+        os.remove(filler)
         before = n_records(workdir)
         proc = run(workdir, *TINY)
         assert proc.returncode == 0, proc.stderr[-3000:]
