@@ -175,9 +175,10 @@ def test_tiny_run_starts_and_ends_with_the_bytes_of_its_metrics(runs):
 def test_only_the_first_process_prints(runs):
     """Of the two processes of a cluster, process 0 prints the table and the
     closing line, process 1 nothing of its own (gloo's connection lines only).
-    Gloo writes "[Gloo] Rank N" and " is connected to ..." from several threads,
-    so its lines can interleave: its fragments are removed, not its lines."""
-    gloo = re.compile(r"\[Gloo\] Rank \d+|is connected to \d+ peer ranks\. "
+    Gloo writes "[Gloo] Rank N", " is connected to N peer ranks. " and "Expected
+    number ..." from several threads, so its lines can interleave at any of the
+    three: each fragment is removed on its own, not its lines."""
+    gloo = re.compile(r"\[Gloo\] Rank \d+|is connected to \d+ peer ranks\.|"
                       r"Expected number of connected peer ranks is : \d+")
     ours = lambda out: [l for l in gloo.sub("", out).splitlines() if l.strip()]
     first, second = (ours(printed(runs["multi"], i)) for i in (0, 1))
