@@ -77,6 +77,11 @@ def _fail(message: str, code: int = EXIT_USAGE):
 
 def _start_jax():
     import jax
+
+    from jcomp.collectives import cpu
+    # Before the backend starts: the CPU scheduler under which two-hop steps do
+    # not stop in their collectives (jcomp/collectives/cpu.py); GPUs ignore it.
+    cpu.add_flag()
     # Only the CPU backend reads this; on GPU nodes the real devices are used.
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)

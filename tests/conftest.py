@@ -17,10 +17,15 @@ import os
 import shutil
 import tempfile
 
+from jcomp.collectives import cpu  # before JAX's backend starts: it only imports jax
+
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+# The CPU scheduler that keeps collectives out of concurrently running loops:
+# without it two-hop steps sometimes stop (jcomp/collectives/cpu.py).
+cpu.add_flag()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="jcomp-test-jax-cache-")

@@ -33,7 +33,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from jcomp.collectives import kernels, ops
+from jcomp.collectives import cpu, kernels, ops
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
 from jcomp.collectives.feedback import _check_residual as check_residual
 
@@ -79,6 +79,7 @@ def psum(x, axis_name, *, codec="none", bwd_codec=None, key=None, rows="independ
     kernels.check_floating(x, dict(codec) if isinstance(codec, Mapping) else codec)
     for c in (*fwd.values(), *bwd.values()):
         kernels.check_key(key, c)
+    cpu.check_scheduler(f"psum over {axes} hop by hop")
     spec = _Spec(axes, tuple(fwd.items()), tuple(bwd.items()), rows, bucket_bytes,
                  ops._checked(axes))
     leaves, treedef = jax.tree.flatten(x)
@@ -247,6 +248,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
     if axis_index_groups is not None:
         raise ValueError("axis_index_groups is not supported with a codec per axis")
     kernels.dims_of(x, scatter_dimension, "scatter_dimension", "psum_scatter")
+    cpu.check_scheduler(f"psum_scatter over {axes} hop by hop")
     order = list(raw) + [a for _, _, g in runs for a in g]
 
     def one(leaf, k):
@@ -304,6 +306,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
         raise ValueError(f"all_gather: to={to!r} is not supported with compression; "
                          "allowed: 'varying', 'invarying'")
     kernels.dims_of(x, axis, "axis", "all_gather", 0 if tiled else 1)
+    cpu.check_scheduler(f"all_gather over {axes} hop by hop")
     order = [a for _, _, g in runs for a in g] + list(raw)
 
     def one(leaf, k):
@@ -356,6 +359,7 @@ def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
     if not runs:
         return (jax.tree.map(lambda a, r: lax.psum(a + r, axes), x, residual),
                 jax.tree.map(jnp.zeros_like, residual))
+    cpu.check_scheduler(f"psum_ef over {axes} hop by hop")
     coded, fc = runs[0][2], runs[0][0]
     n_raw = lax.axis_size(raw) if raw else 1
     leaves, treedef = jax.tree.flatten(x)
