@@ -19,7 +19,7 @@ loops, in none of 10 runs. `FLAG` selects it. It is a
 process-wide option read when the CPU backend starts (XLA ignores it as a
 per-program compiler option), so train.py and the test suite add it to
 XLA_FLAGS first, and hop-by-hop collectives traced for CPU devices without it
-warn once. GPU and TPU runtimes issue collectives in program order and do not
+warn (`SchedulerWarning`). GPU and TPU runtimes issue collectives in program order and do not
 read it.
 """
 from __future__ import annotations
