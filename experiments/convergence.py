@@ -313,7 +313,9 @@ def in_use(workdir: str) -> bool:
 
 
 # What XLA's CPU runtime prints when it ends a process whose emulated devices
-# wait in collectives that never complete (docs/trainer.md, "Known problem").
+# wait in collectives that never complete (docs/trainer.md, "On CPU, XLA's other
+# scheduler": train.py now starts JAX with the option that stopped it; runs
+# from before it resumed this way).
 STUCK = "Termination timeout for"
 RESTARTS_FILE = "restarts.json"  # in a run's workdir: each restart after a stuck step
 
