@@ -29,6 +29,8 @@ import time
 
 if __name__ == "__main__":
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    from jcomp.collectives import cpu  # the README's CPU scheduler option, as train.py sets it
+    cpu.add_flag(os.environ)
 
 import flax.linen as nn
 import jax
@@ -44,6 +46,7 @@ RULES = (("batch", "data"), ("embed", None), ("mlp", "model"), ("vocab", "model"
 FSDP_RULES = (("batch", "data"), ("embed", "data"), ("mlp", "model"), ("vocab", "model"))
 VOCAB, EMBED, MLP, LAYERS, SEQ = 256, 128, 512, 2, 8
 MLP_DTYPE = jnp.bfloat16  # the MLP's parameters and compute; the rest float32
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax's monitoring event
 
 
 class Block(nn.Module):
@@ -90,7 +93,12 @@ def init(mesh, seed=0, fsdp=False):
                                                    jnp.zeros((1, SEQ), jnp.int32))["params"]),
                      out_shardings=shardings)()
     tx = optax.adamw(1e-3, weight_decay=0.01)
-    return params, specs, tx, jax.jit(tx.init)(params)
+    # The state's moments laid out as their parameters (the step's own output
+    # layout), so the first step's program is the one every step runs.
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, params), shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()))
+    return params, specs, tx, jax.jit(tx.init, out_shardings=opt_shardings)(params)
 
 
 def batches(mesh, steps, batch_size=64, seed=0):
@@ -178,11 +186,21 @@ def _timed_in(mesh, codec, steps, microbatches, fsdp):
     data = list(batches(mesh, steps + 1))
     params, opt_state, loss = step(params, opt_state, data[0])  # compile
     loss.block_until_ready()
-    t0 = time.perf_counter()
-    for batch in data[1:]:
-        params, opt_state, loss = step(params, opt_state, batch)
-        loss.block_until_ready()
-    return (time.perf_counter() - t0) / steps
+    compiles = []
+    listen = lambda event, secs, **_: compiles.append(secs) if event == COMPILE_EVENT else None
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        t0 = time.perf_counter()
+        for batch in data[1:]:
+            params, opt_state, loss = step(params, opt_state, batch)
+            loss.block_until_ready()
+        elapsed = time.perf_counter() - t0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    if compiles:  # e.g. inputs laid out unlike the step's outputs: a second program
+        raise RuntimeError(f"the step compiled {len(compiles)} more time(s) inside the timed "
+                           f"loop ({sum(compiles):.2f} s): its time would not be a step's")
+    return elapsed / steps
 
 
 def _commit() -> str:
