@@ -155,7 +155,12 @@ def init(mesh, seed=0):
     params = jax.jit(lambda: nn.unbox(Transformer().init(jax.random.key(seed), dummy)["params"]),
                      out_shardings=shardings)()
     tx = optax.adamw(1e-2, weight_decay=0.01)
-    return params, logical, tx, jax.jit(tx.init)(params)
+    # MaxText jits the state's init with the state's shardings: the moments as
+    # their parameters, so the train step compiles once.
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, params), shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()))
+    return params, logical, tx, jax.jit(tx.init, out_shardings=opt_shardings)(params)
 
 
 def param_specs(logical):
