@@ -216,6 +216,23 @@ def test_the_benchmark_reports_bytes_and_times_side_by_side(tmp_path, capsys):
     assert "bytes over data" in text and "median step: plain" in text
 
 
+@pytest.mark.slow
+def test_the_benchmark_refuses_a_compile_inside_its_timed_steps(monkeypatch):
+    """An optimizer state laid out unlike the step's output makes the second step
+    compile a second program: benchmarks/jit_step.py's timed loop raises rather
+    than report that compile as step time."""
+    mesh = js.make_mesh()
+    init = js.init
+
+    def replicated_state(mesh, seed=0, fsdp=False):
+        params, specs, tx, _ = init(mesh, seed, fsdp)
+        return params, specs, tx, jax.jit(tx.init)(params)  # moments replicated
+
+    monkeypatch.setattr(js, "init", replicated_state)
+    with pytest.raises(RuntimeError, match="compiled 1 more time"):
+        js._timed(mesh, None, 2, 1)
+
+
 def test_explicit_mesh_axes_work_as_auto_ones():
     """On a mesh of Explicit axes (jax.make_mesh's default) the same shard_maps run:
     none gives the plain gradient, int8 a close one, sharded as the parameter."""
