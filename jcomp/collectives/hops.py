@@ -307,7 +307,6 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
                          "allowed: 'varying', 'invarying'")
     kernels.dims_of(x, axis, "axis", "all_gather", 0 if tiled else 1)
     cpu.check_scheduler(f"all_gather over {axes} hop by hop")
-    order = [a for _, _, g in runs for a in g] + list(raw)
 
     def one(leaf, k):
         dim = axis % (leaf.ndim + (0 if tiled else 1))
