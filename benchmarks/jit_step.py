@@ -15,8 +15,9 @@ in one call, `cc.value_and_grad` in place of `jax.value_and_grad`.
 Prints and writes, for each side: bytes per mesh axis read from the compiled
 step (jcomp.meter.wire), the count of reductions over "data", the median step time
 of --repeats timed runs of --steps steps (the two sides alternate, so drift on
-a shared machine hits both; a compile inside a timed run raises), and the loss after --steps steps. The task: map
-each token to a fixed random permutation of the vocabulary.
+a shared machine hits both; a compile inside a timed run raises), and the loss
+after --steps steps. The task: map each token to a fixed random permutation of
+the vocabulary.
 """
 from __future__ import annotations
 
