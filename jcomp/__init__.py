@@ -10,9 +10,11 @@ never above (tests/test_layout.py reads the imports and checks it):
   gpt          mesh, model (Flax GPT), autoencoder (a learned codec), policy
                (codec per axis and message kind), schedule, messages (the
                plan), parallel (3-D layout), optimizer (ZeRO), step
-  meter        wire and hlo: bytes read from compiled programs
   collectives  compressed drop-ins for the jax.lax collectives, PowerSGD,
-               the named scopes the meter reads
+               cc.value_and_grad for jax.jit programs (which checks its
+               bytes with the meter)
+  meter        wire and hlo: bytes read from compiled programs; scope: the
+               named scopes the collectives write and the meter reads
   codecs       what travels: byte codecs and the structured codecs' specs
 
 The library (codecs, collectives, meter) needs only jax and numpy.

@@ -4,8 +4,8 @@ Top to bottom (docs/architecture.md):
 
   train        the run: checked config, loop, resume, data, checkpoints, metrics, faults
   gpt          the model, its codec policy and message plan, 3-D layout, ZeRO, the step
-  meter        bytes read from compiled programs (it reads the scopes collectives write)
-  collectives  compressed drop-ins for the jax.lax collectives, PowerSGD, message scopes
+  collectives  compressed drop-ins for the jax.lax collectives, PowerSGD, value_and_grad
+  meter        bytes read from compiled programs, and the scopes collectives write
   codecs       what travels
 
 A module imports from its own folder or a folder below, never above. The
@@ -22,7 +22,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "jcomp")
-FOLDERS = ("codecs", "collectives", "meter", "gpt", "train")  # bottom to top
+FOLDERS = ("codecs", "meter", "collectives", "gpt", "train")  # bottom to top
 RANK = {f: i for i, f in enumerate(FOLDERS)}
 LIBRARY = ("codecs", "collectives", "meter")
 ALIASES = {"jcomp.wire": "jcomp.meter.wire", "jcomp.policy": "jcomp.gpt.policy"}

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jcomp import codecs as _codecs
-from jcomp.collectives.scope import RAW_SCOPE
+from jcomp.meter.scope import RAW_SCOPE
 
 
 

@@ -35,7 +35,7 @@ from jax import lax
 
 from jcomp import collectives as cc
 from jcomp.collectives.buckets import RowView, bucketed
-from jcomp.collectives.scope import message_scope
+from jcomp.meter.scope import message_scope
 
 
 def _lax_buckets(flats, send, to_rows, from_rows, bucket_bytes, axis="data"):

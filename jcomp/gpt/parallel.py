@@ -47,7 +47,7 @@ from __future__ import annotations
 import jax
 
 from jcomp import collectives as cc
-from jcomp.collectives.scope import message_scope
+from jcomp.meter.scope import message_scope
 from jcomp.gpt import autoencoder
 from jcomp.gpt.pipeline import pipeline_forward
 from jcomp.gpt.sharding import TENSOR

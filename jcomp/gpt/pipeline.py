@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jcomp import collectives as cc
-from jcomp.collectives.scope import message_scope
+from jcomp.meter.scope import message_scope
 from jcomp.gpt import model as gpt
 from jcomp.gpt.sharding import PIPE
 from jcomp.gpt.tensor import tp_hooks

@@ -83,7 +83,7 @@ from jax.sharding import PartitionSpec as P
 
 from jcomp import collectives as cc
 from jcomp.collectives import powersgd
-from jcomp.collectives.scope import message_scope
+from jcomp.meter.scope import message_scope
 from jcomp.gpt import datahops, hyperparams
 
 SHARD_AXES = ("tensor", "pipeline")  # the axes working params may be split over

@@ -40,7 +40,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 
-from jcomp.collectives.scope import MESSAGE_SCOPE, RAW_SCOPE, message_scope  # noqa: F401
+from jcomp.meter.scope import MESSAGE_SCOPE, RAW_SCOPE, message_scope  # noqa: F401
 from jcomp.meter import hlo
 
 KINDS = hlo.COLLECTIVE_KINDS
@@ -49,7 +49,7 @@ KINDS = hlo.COLLECTIVE_KINDS
 # found becomes a note so a report never looks complete when it is not.
 UNMEASURED = ("send", "recv", "ragged-all-to-all", "collective-broadcast")
 
-# The scopes jcomp.collectives.scope writes, read back from the compiled
+# The scopes the collectives write (jcomp.meter.scope), read back from the compiled
 # program's op_name metadata. A collective of the backward pass has a
 # transpose( in its path, one that remat recomputes for the backward pass a
 # rematted_computation.
