@@ -14,19 +14,30 @@ coded axes on 1/n_raw of the data, an all-gather over the raw axes (lax's).
 The slow hop carries 1/n_raw of what a flat coded all-reduce over both axes
 would; the fast hops carry what an uncoded all-reduce over them does.
 
-Rows stay apart: a leaf is laid out as rows (`rows="independent"`: vectors of
-its last axis; `"flat"`: the leaf as one vector cut into n_raw pieces) and the
-reduce-scatter hands each device whole rows, so every block, scale and rotation
-of the coded step lies inside one row, as for every op. With every codec "none"
-the call is `lax.psum` itself. A plain string codec means every axis and is
-`ops.psum` unchanged. The backward moves nothing under `check_vma` (as
-`lax.psum`'s); without it, it is the same hierarchical reduction with
-`bwd_codec`.
+Rows stay apart: psum and psum_ef lay a leaf out as rows
+(`rows="independent"`: its R vectors of C elements along the last axis;
+`"flat"`: the leaf as one row) and the reduce-scatter hands each device whole
+rows or whole pieces of rows. Where n_raw does not divide R, each row is cut
+along its length into s <= n_raw pieces of ceil(C/s) elements (C zero-padded to
+a multiple of s), each a row of its own, s chosen for the fewest padded
+elements (n_raw / gcd(R, n_raw) where that divides C, no padding; zero rows
+instead where that pads less, as for a few short rows; "flat": s = n_raw). The
+fast hops then carry what lax.psum over them carries plus fewer than n_raw
+padded elements per row on average: one flat gradient buffer per device (R =
+1) moves 1.0x, where padding R up to n_raw rows moved n_raw times that, on
+both hops. A piece lies inside one row, so every block, scale and rotation of
+the coded step lies inside one row, as for every op. Where n_raw divides R
+nothing is cut. (psum_scatter and all_gather keep lax's blocks and lay out no
+rows.) With every codec "none" the call is `lax.psum` itself. A plain string
+codec means every axis and is `ops.psum` unchanged. The backward moves nothing
+under `check_vma` (as `lax.psum`'s); without it, it is the same hierarchical
+reduction with `bwd_codec`.
 """
 from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -131,7 +142,7 @@ def _forward(spec, leaves, key, codecs):
     raw = tuple(a for a in axes if codecs[a].kind == "identity")
     coded = [a for a in axes if a not in raw]
     n_raw = lax.axis_size(raw) if raw else 1
-    ready, shapes = [], []
+    ready, layouts, lives = [], [], []
     for leaf in leaves:
         live = axes
         if checked:  # n identical copies sum to n * x: nothing travels over those axes
@@ -139,14 +150,15 @@ def _forward(spec, leaves, key, codecs):
             if invariant:
                 leaf = leaf * lax.axis_size(invariant)
             live = tuple(a for a in axes if a not in invariant)
-        shapes.append((leaf.shape, leaf.dtype, live))
-        ready.append(_as_rows(leaf, n_raw, rows))
+        layouts.append(_layout(leaf, n_raw, rows))
+        lives.append(live)
+        ready.append(layouts[-1].cut(leaf))
     out = list(ready)
-    for live in sorted({s[2] for s in shapes}):  # leaves that travel over the same axes
-        idx = [i for i, s in enumerate(shapes) if s[2] == live]
+    for live in sorted(set(lives)):  # leaves that travel over the same axes
+        idx = [i for i, v in enumerate(lives) if v == live]
         part = [ready[i] for i in idx]
         live_raw = tuple(a for a in raw if a in live)
-        if live_raw:  # rows were padded to a multiple of n_raw: whole rows per device
+        if live_raw:  # n_raw divides the (piece) rows: whole rows or pieces per device
             part = [lax.psum_scatter(kernels.vary(p, live_raw), live_raw, scatter_dimension=0,
                                      tiled=True) for p in part]
         for j, (codec, group) in enumerate(_runs([a for a in coded if a in live], codecs)):
@@ -158,7 +170,7 @@ def _forward(spec, leaves, key, codecs):
                     for p in part]
         for i, p in zip(idx, part):
             out[i] = p
-    return [_from_rows(o, shape, dtype) for o, (shape, dtype, _) in zip(out, shapes)]
+    return [layout.join(o) for o, layout in zip(out, layouts)]
 
 
 def _runs(coded, codecs):
@@ -173,26 +185,73 @@ def _runs(coded, codecs):
     return [(c, g if len(g) > 1 else g[0]) for c, g in out]
 
 
+class _Layout(NamedTuple):
+    """A leaf laid out as rows for the raw reduce-scatter over n_raw devices: its
+    `r` rows of `c` elements, each cut into `pieces` rows of `width` elements (c
+    zero-padded to pieces * width), then zero rows up to `n_rows`, a multiple
+    of n_raw. A row's pieces are consecutive rows and all padding is zeros at
+    the end of a row or of the rows, so every piece holds one row's elements."""
+    shape: tuple
+    dtype: Any
+    r: int
+    c: int
+    pieces: int
+    width: int
+    n_rows: int
+
+    def cut(self, leaf):
+        """`leaf` as [n_rows, width] rows in its own dtype."""
+        x_RxC = leaf.reshape(self.r, self.c)
+        if self.pieces * self.width != self.c:
+            x_RxC = jnp.pad(x_RxC, ((0, 0), (0, self.pieces * self.width - self.c)))
+        x_RxC = x_RxC.reshape(self.r * self.pieces, self.width)
+        pad = self.n_rows - x_RxC.shape[0]
+        return jnp.pad(x_RxC, ((0, pad), (0, 0))) if pad else x_RxC
+
+    def join(self, x_RxC, dtype=None):
+        """Inverse of `cut`, in `dtype` (default the leaf's): the zero rows dropped,
+        each row's pieces put back together and its padding cut off."""
+        x_RxC = x_RxC.reshape(-1)[:self.r * self.pieces * self.width]
+        x_RxC = x_RxC.reshape(self.r, self.pieces * self.width)[:, :self.c]
+        return x_RxC.reshape(self.shape).astype(self.dtype if dtype is None else dtype)
+
+
+def _layout(leaf, n, rows, pieces=None) -> _Layout:
+    """rows="independent": one row per vector of the last axis, each cut into the
+    `_pieces` that pad least (or `pieces`); "flat": the leaf as one row cut into
+    n pieces."""
+    size = int(np.prod(leaf.shape, dtype=np.int64))
+    c = kernels.last_row(leaf) if rows == "independent" else max(size, 1)
+    r = size // c
+    if pieces is None:
+        pieces = _pieces(r, c, n) if rows == "independent" else n
+    return _Layout(leaf.shape, leaf.dtype, r, c, pieces, -(-c // pieces),
+                   -(-r * pieces // n) * n)
+
+
+def _pieces(r: int, c: int, n: int) -> int:
+    """How many pieces to cut each of r rows of c elements into, so that the rows
+    divide over n devices with the fewest padded elements (ceil(r s / n) n rows
+    of ceil(c / s)); the fewest pieces among those. 1 (no cut) where n divides
+    r, as before; for one row (a flat gradient buffer) n pieces where n divides
+    c, not n - 1 zero rows that the fast hops would carry in full. s stops at
+    n, where every row divides, padded by fewer than n elements: more pieces
+    could save a few of those (an odd c) but cut rows shorter than the codec's
+    blocks sooner."""
+    padded = lambda s: -(-r * s // n) * n * -(-c // s)
+    return min(range(1, n + 1), key=lambda s: (padded(s), s))
+
+
 def _as_rows(leaf, n, rows):
-    """`leaf` as [R, C] rows in its own dtype, R padded with zero rows to a multiple
-    of n: "independent": one row per vector of the last axis; "flat": the leaf cut
-    into n pieces (each then a row of its own)."""
-    x = leaf
-    if rows == "independent":
-        x_RxC = x.reshape(-1, leaf.shape[-1] if leaf.ndim else 1)
-    else:
-        flat = x.reshape(-1)
-        c = -(-flat.shape[0] // n)
-        x_RxC = jnp.pad(flat, (0, n * c - flat.shape[0])).reshape(n, c)
-    r = x_RxC.shape[0]
-    pad = -(-r // n) * n - r
-    return jnp.pad(x_RxC, ((0, pad), (0, 0))) if pad else x_RxC
+    """Whole rows, the row count padded with zero rows to a multiple of n (rows
+    are not cut): the layout outer.py's `_piece` shares out, inverted by
+    `_from_rows`."""
+    return _layout(leaf, n, rows, pieces=1 if rows == "independent" else n).cut(leaf)
 
 
 def _from_rows(x_RxC, shape, dtype):
-    size = 1
-    for d in shape:
-        size *= d
+    """Inverse of `_as_rows`: its padding is all at the end."""
+    size = int(np.prod(shape, dtype=np.int64))
     return x_RxC.reshape(-1)[:size].reshape(shape).astype(dtype)
 
 
@@ -366,20 +425,20 @@ def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
     pieces, layouts = [], []
     for leaf, res in zip(leaves, res_leaves):
         corrected = lax.stop_gradient(kernels.vary(leaf + res.astype(leaf.dtype), axes))
-        rows_RxC = _as_rows(corrected, n_raw, rows)
-        layouts.append((leaf.shape, leaf.dtype, rows_RxC.shape, res.dtype))
+        layouts.append((_layout(corrected, n_raw, rows), res.dtype))
+        rows_RxC = layouts[-1][0].cut(corrected)  # as psum's: few rows are cut
         pieces.append(lax.psum_scatter(rows_RxC, raw, scatter_dimension=0, tiled=True)
                       if raw else rows_RxC)
     totals, lost = ops.psum_ef(pieces, [jnp.zeros_like(p) for p in pieces],
                                coded if len(coded) > 1 else coded[0], codec=fc, key=key,
                                rows=rows, bucket_bytes=bucket_bytes)
     outs, news = [], []
-    for total, miss, (shape, dtype, full_shape, res_dtype) in zip(totals, lost, layouts):
+    for total, miss, (layout, res_dtype) in zip(totals, lost, layouts):
         if raw:
             total = lax.all_gather(total, raw, axis=0, tiled=True, to="invarying")
             start = lax.axis_index(raw) * miss.shape[0]
             miss = lax.dynamic_update_slice_in_dim(
-                jnp.zeros(full_shape, miss.dtype), miss, start, axis=0)
-        outs.append(_from_rows(total, shape, dtype))
-        news.append(_from_rows(miss, shape, res_dtype))
+                jnp.zeros((layout.n_rows, layout.width), miss.dtype), miss, start, axis=0)
+        outs.append(layout.join(total))
+        news.append(layout.join(miss, res_dtype))
     return jax.tree.unflatten(treedef, outs), jax.tree.unflatten(treedef, news)
