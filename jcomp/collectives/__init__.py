@@ -29,6 +29,7 @@ from jcomp.collectives.ops import (  # noqa: F401
     copy_to_parallel, pmean, ppermute, psum, psum_ef, psum_scatter, psum_scatter_ef,
     parse, reduce_from_parallel, vary)
 from jcomp.collectives.jitgrad import gather_params, scatter_specs, value_and_grad  # noqa: F401
+from jcomp.collectives.bytecheck import ExtraBytesWarning  # noqa: F401
 from jcomp.collectives.hops import (  # noqa: F401,F811  (a codec per mesh axis)
     all_gather, pmean, psum, psum_ef, psum_scatter)
 from jcomp.collectives.outer import OuterState, outer_init, outer_sync  # noqa: F401
@@ -39,4 +40,5 @@ __all__ = [
     "value_and_grad", "scatter_specs", "gather_params",
     "outer_init", "outer_sync", "OuterState",
     "REMAT_NAMES", "DEFAULT_BUCKET_BYTES", "RAW_SCOPE", "RawSendWarning", "ROWS",
+    "ExtraBytesWarning",
 ]

@@ -45,10 +45,12 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import hops, jitspecs, kernels, ops
+from jcomp.collectives import bytecheck, jitspecs, kernels, ops, unreduced
 from jcomp.collectives.constraints import batch_constraints
+from jcomp.collectives.jitreduce import gather, reduce
 from jcomp.collectives.jitspecs import scatter_specs  # noqa: F401  (public)
 
 __all__ = ["value_and_grad", "scatter_specs", "gather_params"]
@@ -86,10 +88,10 @@ def _aux_rules(aux, has_aux):
     return aux
 
 
-def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
+def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=None,
                    data_axes="data", codec="none", param_codec="none", batch_spec=None,
                    microbatches=1, scatter=False, has_aux=False, aux=None, rows="flat",
-                   bucket_bytes=None):
+                   bucket_bytes=None, check_bytes=True):
     """`jax.value_and_grad(loss_fn)` with the reduction over the batch axes sent with
     `codec`. -> fn(params, batch, key=None) -> (loss, grads), or ((loss, aux),
     grads) with `has_aux`; call it inside `jax.jit`.
@@ -111,11 +113,25 @@ def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
     (`lax.scan`), one reduction per call. scatter=True: every gradient comes back
     reduce-scattered over the data axes it does not use (`scatter_specs`), for
     an optimizer state sharded over them (`gather_params` brings parameters back).
-    The loss is float32; the gradients have the parameters' dtypes and boxes."""
+    The loss is float32; the gradients have the parameters' dtypes and boxes.
+    check_bytes: compile the plain gradient program beside this one the first
+    time a signature is traced, and warn (`ExtraBytesWarning`) naming each mesh
+    axis on which this one sends more (`bytecheck`; two more compiles).
+
+    On a mesh whose batch axes are Explicit the loss runs as written, in the
+    global view (`unreduced`): `mean_over`, `aux`, `param_specs` and
+    `batch_spec` are not needed there (the parameters' and the batch's types
+    carry their shardings; given, param_specs must agree with them)."""
     data_axes = kernels.axes_of(data_axes)
     _check_mesh(mesh, data_axes)
-    _check_mean_over(mean_over)
-    aux_rules = _aux_rules(aux, has_aux)
+    explicit = _explicit(mesh, data_axes)
+    if mean_over is None and not explicit:
+        raise TypeError("value_and_grad() needs mean_over= on a mesh of Auto batch axes: "
+                        "how the global loss is made of the ranks' ('examples', 'sum' or "
+                        "count(batch)); see the module doc")
+    if mean_over is not None:
+        _check_mean_over(mean_over)
+    aux_rules = None if explicit and aux is None else _aux_rules(aux, has_aux)
     for name, c in (("codec", codec), ("param_codec", param_codec)):
         for axis, one in (c.items() if isinstance(c, Mapping) else [(None, c)]):
             where = name if axis is None else f"{name}[{axis!r}]"
@@ -133,6 +149,18 @@ def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
         raise ValueError(f"microbatches must be a positive int; got {microbatches!r}")
     kernels.check_rows(rows)
     bucket = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    if explicit:
+        if microbatches != 1:
+            raise ValueError("microbatches: value_and_grad accumulates microbatches on meshes "
+                             "of Auto batch axes only; with Explicit ones, accumulate the "
+                             "unreduced gradients in your step (see docs/collectives.md)")
+        if param_codec != "none":
+            raise ValueError("param_codec: on Explicit batch axes the program gathers the "
+                             "parameters split over them itself, as written; leave it 'none'")
+        fn = unreduced.value_and_grad(loss_fn, mesh, data_axes, has_aux, codec, scatter,
+                                      rows, bucket, param_specs, rules)
+        return (bytecheck.checked(fn, loss_fn, has_aux, mesh, unreduced.typed_specs)
+                if check_bytes else fn)
     rest = tuple(a for a in mesh.axis_names if a not in data_axes)
     data_spec = data_axes if len(data_axes) > 1 else data_axes[0]
     value_of = loss_fn if has_aux else lambda p, b: (loss_fn(p, b), ())
@@ -154,12 +182,12 @@ def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
         def local(shards, batch, k):
             k = None if key is None else k
             gk, rk = (None, None) if k is None else jax.random.split(k)
-            full = _nested(rest, specs, specs, lambda ls: _gather(
+            full = _nested(rest, specs, specs, lambda ls: gather(
                 ls, specs, data_axes, param_codec, gk, rows, bucket), shards)
             p_var = treedef.unflatten(ops.vary(full, data_axes))  # no automatic psum
             (loss, aux_v), grads = _accumulate(value_of, p_var, batch, microbatches,
                                                data_axes, mean_over, aux_rules)
-            grads = _nested(rest, specs, outs, lambda gs: _reduce(
+            grads = _nested(rest, specs, outs, lambda gs: reduce(
                 gs, outs, data_axes, codec, rk, rows, bucket), jax.tree.leaves(grads))
             return ((loss, aux_v) if has_aux else loss), grads
 
@@ -173,7 +201,24 @@ def value_and_grad(loss_fn, *, mesh, mean_over, param_specs=None, rules=None,
             value, grads = outer(leaves, batch, k)
         return value, treedef.unflatten(grads)
 
-    return fn
+    def shardings_of(params, batch):
+        b_spec = P(data_spec) if batch_spec is None else batch_spec
+        per_leaf = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), b_spec, batch,
+                                is_leaf=lambda s: isinstance(s, P))
+        return jitspecs.check(mesh, data_axes, params, param_specs, rules), per_leaf
+
+    return bytecheck.checked(fn, loss_fn, has_aux, mesh, shardings_of) if check_bytes else fn
+
+
+def _explicit(mesh, data_axes) -> bool:
+    """True where every batch axis is Explicit (the unreduced route), False where
+    every one is Auto (the per-rank map); a mix is refused."""
+    kinds = {a: mesh._name_to_type[a] for a in data_axes}
+    explicit = [a for a, t in kinds.items() if t == AxisType.Explicit]
+    if explicit and len(explicit) != len(data_axes):
+        raise ValueError(f"data_axes {data_axes}: {explicit} are Explicit mesh axes and the "
+                         "others are not; make the batch axes all Explicit or all Auto")
+    return bool(explicit)
 
 
 def _nested(rest, in_specs, out_specs, body, leaves):
@@ -186,116 +231,6 @@ def _nested(rest, in_specs, out_specs, body, leaves):
         in_specs=([jitspecs.only(s, rest) for s in in_specs],),
         out_specs=[jitspecs.only(s, rest) for s in out_specs],
         axis_names=frozenset(rest))(leaves)
-
-
-def _groups(plans):
-    """Leaf indices grouped by plan, in a fixed order (so leaves of one plan share
-    buckets, one collective per dtype and bucket)."""
-    out = {}
-    for i, plan in enumerate(plans):
-        out.setdefault(plan, []).append(i)
-    return sorted(out.items(), key=lambda kv: repr(kv[0]))
-
-
-def _along(leaves, dims, send):
-    """send(leaves with `dims` moved first) -> results moved back: leaves split on
-    different dimensions share one call (and its buckets)."""
-    moved = [jnp.moveaxis(x, d, 0) for x, d in zip(leaves, dims)]
-    return [jnp.moveaxis(x, 0, d) for x, d in zip(send(moved), dims)]
-
-
-def _codec_over(codec, axes):
-    """The codec a call over `axes` sends with: `codec` itself, or for a codec per
-    axis the one its axes share (a reduce-scatter or gather over axes with
-    different codecs is one collective and cannot mix them)."""
-    if not isinstance(codec, Mapping):
-        return codec
-    named = {str(kernels.parse(codec.get(a, "none"))) for a in axes}
-    if len(named) > 1:
-        raise ValueError(f"codec {dict(codec)}: parameters split over {axes} together are "
-                         "gathered and reduce-scattered in one collective over those axes, "
-                         "so give them one codec")
-    return named.pop()
-
-
-def _in_f32(send, codec, pad=False):
-    """send(leaves) with narrow float leaves (bf16, fp16) widened to float32 for a
-    lossy codec and narrowed back: the codes and scales on the wire are the same,
-    the sum is float32 either way, and leaves of both dtypes share buckets (one
-    collective, not one per dtype). With `pad` (flat reductions), a leaf that a
-    block codec's block does not divide is padded with zeros to whole blocks where
-    that still sends no more than the leaf raw, so it joins the others' bucket
-    instead of a bucket of its own; its blocks stay its own. "none" sends each
-    leaf as it is."""
-    if isinstance(codec, Mapping):  # per hop: hops.psum lays the leaves out itself
-        return send
-    c = kernels.parse(codec)
-    if c.kind == "identity":
-        return send
-    g = c.row_multiple if c.kind == "dense" and pad else 1
-
-    def wide(leaves):
-        ready, padded = [], []
-        for x in leaves:
-            narrow = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4
-            y = x.astype(jnp.float32) if narrow else x
-            n, m = x.size, -(-x.size // g) * g
-            pad = m != n and c.wire_bytes((1, m), jnp.float32) <= n * x.dtype.itemsize
-            ready.append(jnp.pad(y.reshape(-1), (0, m - n)) if pad else y)
-            padded.append(pad)
-        return [(y[:x.size].reshape(x.shape) if pad else y).astype(x.dtype)
-                for x, y, pad in zip(leaves, send(ready), padded)]
-
-    return wide
-
-
-def _gather(shards, specs, data_axes, codec, key, rows, bucket):
-    """Each leaf whole over the batch axes: gathered along the dimensions its spec
-    splits over them (FSDP), with `codec`; leaves gathered over the same axes
-    share buckets."""
-    out = list(shards)
-    splits = [jitspecs.split_dims(s, data_axes) for s in specs]
-    for g, (plan, idx) in enumerate(_groups([tuple(a for _, a in sp) for sp in splits])):
-        part = [shards[i] for i in idx]
-        for step in reversed(range(len(plan))):
-            k = None if key is None else jax.random.fold_in(key, 4 * g + step)
-            c = _codec_over(codec, plan[step])
-            part = _along(part, [splits[i][step][0] for i in idx], _in_f32(
-                lambda ls: ops.all_gather(ls, plan[step], axis=0, tiled=True, to="invarying",
-                                          codec=c, key=k, rows=rows, **bucket), c))
-        for i, x in zip(idx, part):
-            out[i] = x
-    return out
-
-
-def _reduce(grads, outs, data_axes, codec, key, rows, bucket):
-    """Each gradient summed over the batch axes and laid out as its `outs` spec:
-    reduce-scattered along the dimensions the spec splits over batch axes, then
-    all-reduced over the batch axes it does not use (on the scattered piece).
-    Leaves reduced over the same axes share buckets."""
-    out = list(grads)
-    splits = [jitspecs.split_dims(o, data_axes) for o in outs]
-    plans = []
-    for sp in splits:
-        used = {a for _, axes in sp for a in axes}
-        plans.append((tuple(a for _, a in sp), tuple(a for a in data_axes if a not in used)))
-    for g, ((scattered, left), idx) in enumerate(_groups(plans)):
-        part = [grads[i] for i in idx]
-        for step, axes in enumerate(scattered):
-            k = None if key is None else jax.random.fold_in(key, 4 * g + step)
-            c = _codec_over(codec, axes)
-            part = _along(part, [splits[i][step][0] for i in idx], _in_f32(
-                lambda ls: ops.psum_scatter(ls, axes, scatter_dimension=0, tiled=True,
-                                            codec=c, key=k, rows=rows, **bucket), c))
-        if left:
-            k = None if key is None else jax.random.fold_in(key, 4 * g + 3)
-            c = ({a: v for a, v in codec.items() if a in left} if isinstance(codec, Mapping)
-                 else codec)
-            part = _in_f32(lambda ls: hops.psum(ls, left, codec=c, key=k, rows=rows,
-                                                **bucket), c, pad=rows == "flat")(part)
-        for i, x in zip(idx, part):
-            out[i] = x
-    return out
 
 
 def _scales(batch, k, axes, mean_over):
@@ -424,7 +359,7 @@ def gather_params(shards, *, mesh, param_specs=None, rules=None, data_axes="data
 
     def body(ls, kk):
         k = None if key is None else kk
-        return _gather(ls, added, moved_axes, codec, k, rows, bucket)
+        return gather(ls, added, moved_axes, codec, k, rows, bucket)
 
     k = jnp.zeros((), jnp.uint32) if key is None else key
     run = jax.shard_map(body, mesh=mesh, in_specs=(ins, P()), out_specs=list(specs))

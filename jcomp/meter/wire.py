@@ -116,6 +116,16 @@ class WireReport:
             out[key] = out.get(key, 0.0) + c.total_bytes
         return out
 
+    def by_mesh_axis(self) -> dict[str, float]:
+        """Bytes per device per call (mesh average) of the collectives that cross
+        each mesh axis: one over several axes counts for each, as its links may
+        carry all of it (what `jcomp.meter.compare` weighs axis by axis)."""
+        out: dict[str, float] = {}
+        for key, b in self.by_axis().items():
+            for axis in key.split("+"):
+                out[axis] = out.get(axis, 0.0) + b
+        return out
+
     def by_message(self) -> dict[str, float]:
         """Bytes per device per call (mesh average), keyed by the plan's message
         ("" for collectives sent outside any message scope)."""

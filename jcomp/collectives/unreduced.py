@@ -1,0 +1,127 @@
+"""`cc.value_and_grad` on a mesh of Explicit batch axes: JAX's `reduced` and
+`unreduced` types leave the gradient's reduction to jcomp, and the loss runs as
+written, in the global view."""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jcomp.collectives import jitspecs, ops
+from jcomp.collectives.jitreduce import groups, reduce
+
+
+def typed_specs(params, batch):
+    """The parameters' and the batch's PartitionSpecs, read from their types."""
+    spec = lambda x: P(*jax.typeof(x).sharding.spec.partitions)
+    return [spec(x) for x in jax.tree.leaves(params)], jax.tree.map(spec, batch)
+
+
+def value_and_grad(loss_fn, mesh, data_axes, has_aux, codec, scatter, rows, bucket,
+                   param_specs=None, rules=None):
+    """value_and_grad on a mesh of Explicit batch axes, by JAX's own hook for a
+    reduction the program controls: each parameter is marked `reduced` over the
+    batch axes its spec does not use, so `jax.value_and_grad` of the loss as
+    written (global view: `out_sharding=`, `jax.reshard`, constraints, Python
+    containers all as the plain program has them) returns its gradient
+    `unreduced` there, each device holding its partial sum; one full-manual
+    `shard_map` then sums those with `codec` into the parameter's own spec (or
+    the scatter spec). Loss and aux are the plain program's, as computed."""
+    value_and_grad_of = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def fn(params, batch, key=None):
+        leaves, treedef = jax.tree.flatten(params)
+        specs = [jax.typeof(x).sharding.spec for x in leaves]
+        if param_specs is not None or rules is not None:
+            _agree(mesh, data_axes, params, param_specs, rules, specs)
+        wanted = [tuple(a for a in data_axes if a not in jitspecs.axes_in(s.partitions))
+                  for s in specs]
+        reduce_over, (value, grads) = _grad_of_marked(value_and_grad_of, params, specs,
+                                                      wanted, batch)
+        g_leaves = jax.tree.leaves(grads)
+        outs = [jitspecs.scatter_spec(P(*s.partitions), jnp.shape(x), axes, mesh.shape)
+                if scatter else P(*s.partitions)
+                for x, s, axes in zip(leaves, specs, reduce_over)]
+
+        def body(gs, k):
+            k = None if key is None else k
+            out = list(gs)
+            for g, (axes, idx) in enumerate(groups(reduce_over)):
+                if not axes:  # reduced by JAX already (FSDP, or a leaf left unmarked)
+                    continue
+                kk = None if k is None else jax.random.fold_in(k, g)
+                part = reduce([gs[i] for i in idx], [outs[i] for i in idx], axes, codec,
+                               kk, rows, bucket)
+                for i, x in zip(idx, part):
+                    out[i] = x
+            return out
+
+        k = jnp.zeros((), jnp.uint32) if key is None else key
+        # check_vma=False: the body's operands are each device's partial sums, which
+        # the vma types can only call unreduced, and JAX casts no unreduced value to
+        # varying; the reductions here are the only ones.
+        reduced = jax.shard_map(
+            body, mesh=mesh, in_specs=([jax.typeof(g).sharding.spec for g in g_leaves], P()),
+            out_specs=outs, check_vma=False)(g_leaves, k)
+        return value, treedef.unflatten(reduced)
+
+    return fn
+
+
+def _grad_of_marked(value_and_grad_of, params, specs, wanted, batch):
+    """-> (the batch axes each leaf was marked reduced over, value_and_grad's
+    result). JAX 0.10.2 refuses an elementwise op between a value reduced over
+    an axis and one split over it (a bias or norm scale added to the batch's
+    activations: ShardingTypeError); matmuls and gathers take it. So all leaves
+    are marked first, then the matrices only, then none; the leaves left
+    unmarked are reduced by JAX in full precision, as the plain program does,
+    and a RawSendWarning names them."""
+    leaves, treedef = jax.tree.flatten(params)
+    tries = [wanted, [w if jnp.ndim(x) >= 2 else () for x, w in zip(leaves, wanted)],
+             [()] * len(leaves)]
+    error = None
+    for i, marks in enumerate(tries):
+        if i and marks == tries[i - 1]:
+            continue
+        marked = [jax.reshard(x, P(*s.partitions, reduced=set(axes) | set(s.reduced)))
+                  if axes else x for x, s, axes in zip(leaves, specs, marks)]
+        try:
+            result = value_and_grad_of(treedef.unflatten(marked), batch)
+        except Exception as e:  # noqa: BLE001  (only JAX's sharding type error is retried)
+            if type(e).__name__ != "ShardingTypeError" or i == len(tries) - 1:
+                raise
+            error = e
+            continue
+        if error is not None:
+            paths = [jax.tree_util.keystr(p) for p, _ in
+                     jax.tree_util.tree_flatten_with_path(params)[0]]
+            raw = [p for p, w, m in zip(paths, wanted, marks) if w and not m]
+            reason = str(error).strip().splitlines()[0]
+            warnings.warn(ops.RawSendWarning(
+                f"cc.value_and_grad: {len(raw)} gradient(s) reduced raw by JAX, as the plain "
+                f"program does ({', '.join(raw[:6])}{', ...' if len(raw) > 6 else ''}): "
+                f"JAX cannot keep them unreduced where the loss combines them elementwise "
+                f"with batch-split values ({reason})"), stacklevel=4)
+        return marks, result
+    raise AssertionError("unreachable")
+
+
+def _agree(mesh, data_axes, params, param_specs, rules, specs):
+    """param_specs given on an Explicit mesh must say what the types say."""
+    given = jitspecs.check(mesh, data_axes, params, param_specs, rules)
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, _), g, s in zip(paths, given, specs):
+        if _norm(g) != _norm(P(*s.partitions)):
+            raise ValueError(f"param_specs{jax.tree_util.keystr(path)}: {g}, but the parameter "
+                             f"is typed {P(*s.partitions)} on this Explicit mesh; the types "
+                             "decide here, so leave param_specs out or make them agree")
+
+
+def _norm(spec):
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return tuple(parts)
+

@@ -1,0 +1,61 @@
+"""cc.value_and_grad checks its bytes against the plain gradient program
+(jcomp/collectives/bytecheck.py): an axis on which it sends more is named."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jcomp import collectives as cc
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    rng = np.random.default_rng(0)
+    specs = {"w": P(None, "model"), "v": P("model", None)}
+    shapes = {"w": (64, 512), "v": (512, 64)}
+    with jax.set_mesh(mesh):
+        params = {k: jax.device_put(rng.standard_normal(shapes[k]).astype(np.float32),
+                                    NamedSharding(mesh, specs[k])) for k in specs}
+        x = jax.device_put(rng.standard_normal((32, 64)).astype(np.float32),
+                           NamedSharding(mesh, P("data")))
+    return mesh, params, x, specs
+
+
+def _loss(p, b):
+    return jnp.mean((jnp.tanh(b @ p["w"]) @ p["v"]) ** 2)
+
+
+def _trace(mesh, params, x, **kw):
+    with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        jax.jit(cc.value_and_grad(_loss, mesh=mesh, mean_over="examples", codec="int8",
+                                  **kw)).lower(params, x)
+    return [w for w in got if issubclass(w.category, cc.ExtraBytesWarning)]
+
+
+def test_a_step_that_sends_more_on_one_axis_is_named(setup):
+    """param_specs that call a tensor-parallel kernel replicated: the per-rank map
+    then gathers it over "model" every step, which the plain program never does.
+    The warning names the axis, the factor and the leaf."""
+    mesh, params, x, specs = setup
+    got = _trace(mesh, params, x, param_specs={**specs, "w": P()})
+    assert len(got) == 1
+    text = str(got[0].message)
+    assert "sends more bytes than the plain program on axis 'model'" in text, text
+    assert "leaves ['w']" in text and "all-gather f32[64, 512]" in text, text
+    assert "'data'" not in text  # int8 sends less there
+
+
+def test_a_step_that_sends_no_more_is_quiet(setup):
+    mesh, params, x, specs = setup
+    assert _trace(mesh, params, x, param_specs=specs) == []
+
+
+def test_check_bytes_false_compiles_no_twin(setup):
+    mesh, params, x, specs = setup
+    assert _trace(mesh, params, x, param_specs={**specs, "w": P()}, check_bytes=False) == []
