@@ -30,7 +30,12 @@ def batch_constraints(data_axes, specs):
     before compiling."""
     param_axes = set().union(*map(jitspecs.axes_in, specs)) if specs else set()
     prev = getattr(_state, "axes", None)
-    _state.axes = (frozenset(data_axes), param_axes)
+    # Flax applies a box's or a logical constraint only where a mesh context is
+    # set (it checks; its constraints are bare PartitionSpecs), and the map sets
+    # one: without the caller's own context, such a constraint never ran in the
+    # plain program, so it does not run here either.
+    had_context = not jax.sharding.get_abstract_mesh().empty
+    _state.axes = (frozenset(data_axes), param_axes, had_context)
     # Installed for the trace only. Other threads see a pass-through (the state
     # is per thread); code that bound the function under another name before
     # this call keeps lax's and raises JAX's own error on a batch axis.
@@ -60,7 +65,10 @@ def _constrain(x, shardings):
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     if state is None or not manual & state[0]:
         return _lax_constraint(x, shardings)
-    data_axes, param_axes = state
+    data_axes, param_axes, had_context = state
+    bare = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, P))
+    if not had_context and all(isinstance(s, P) for s in bare):
+        return x  # as in the plain program, which ran without a mesh context
 
     def fix(s):
         spec = s.spec if isinstance(s, NamedSharding) else s

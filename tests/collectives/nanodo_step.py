@@ -14,6 +14,8 @@ loss.py, train.py), shrunk to test size.
 """
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import flax.struct
 import jax
@@ -36,16 +38,21 @@ def _init(layer_type):
 
 
 class CausalAttn(nn.Module):
+    """nanoDO's: q, k, v and the output projection are `nn.DenseGeneral`s, whose
+    kernels flax creates flat (2-D) under 3-D partition names; flax checks the
+    names against the value only where a mesh context is set."""
     @nn.compact
     def __call__(self, x_BxLxD):
-        proj = lambda name: self.param(name, _init("attn_in_proj"), (D, H, DH))
-        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (jnp.einsum("bld,dhk->blhk", x_BxLxD, proj(n))
-                                           for n in ("q", "k", "v"))
+        multilinear = functools.partial(nn.DenseGeneral, axis=-1, features=(H, DH),
+                                        kernel_init=_init("attn_in_proj"), use_bias=False)
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (multilinear(name=n)(x_BxLxD)
+                                           for n in ("query", "key", "value"))
         att_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK) / np.sqrt(DH)
         att_BxHxLxL = jnp.where(jnp.tril(jnp.ones((L, L), bool)), att_BxHxLxL, -jnp.inf)
         out_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", jax.nn.softmax(att_BxHxLxL), v_BxLxHxK)
-        w_HxKxD = self.param("o", _init("attn_out_proj"), (H, DH, D))
-        return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, w_HxKxD)
+        return nn.DenseGeneral(features=D, axis=(-2, -1), name="attn_out_proj",
+                               kernel_init=_init("attn_out_proj"),
+                               use_bias=False)(out_BxLxHxK)
 
 
 class Block(nn.Module):
