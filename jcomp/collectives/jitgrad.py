@@ -258,7 +258,9 @@ def _accumulate(value_of, params, batch, k, axes, mean_over, aux_rules):
 
     def scaled(p, mb, s):
         loss, aux = value_of(p, mb)
-        return s * jnp.asarray(loss, jnp.float32), aux
+        # Python scalars in aux (MaxText's moe_lb_loss = 0.0) become arrays, as a
+        # jit's outputs do in the plain step.
+        return s * jnp.asarray(loss, jnp.float32), jax.tree.map(jnp.asarray, aux)
 
     grad_of = jax.value_and_grad(scaled, has_aux=True)
     if k == 1:

@@ -142,7 +142,11 @@ def loss_fn(params, batch):
     total_loss = jnp.sum(xent_BxL * weights_BxL)
     total_weights = jnp.sum(weights_BxL)  # int32, as MaxText's
     loss = total_loss / (total_weights + 1e-8)
-    return loss, {"total_loss": total_loss, "total_weights": total_weights}
+    # MaxText's aux carries these as the Python float 0.0 where the model has no
+    # mixture of experts or multi-token prediction.
+    moe_lb_loss = mtp_loss = 0.0
+    return loss, {"total_loss": total_loss, "total_weights": total_weights,
+                  "moe_lb_loss": moe_lb_loss, "mtp_loss": mtp_loss}
 
 
 def init(mesh, seed=0):

@@ -70,6 +70,9 @@ def test_maxtext_none_gives_the_plain_gradients_and_aux(mt, monkeypatch):
     (loss_o, aux_o), g_o = ours
     assert aux_o["total_weights"].dtype == aux_p["total_weights"].dtype == jnp.int32
     assert int(aux_o["total_weights"]) == int(aux_p["total_weights"])
+    for py_float in ("moe_lb_loss", "mtp_loss"):  # Python 0.0 in MaxText's loss_fn
+        assert aux_o[py_float].dtype == aux_p[py_float].dtype
+        assert float(aux_o[py_float]) == float(aux_p[py_float]) == 0.0
     np.testing.assert_allclose(float(aux_o["total_loss"]), float(aux_p["total_loss"]), rtol=1e-6)
     np.testing.assert_allclose(float(loss_o), float(loss_p), rtol=1e-6)
     for a, b, w in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_o), jax.tree.leaves(params)):
