@@ -30,6 +30,7 @@ from jcomp.collectives.ops import (  # noqa: F401
     parse, reduce_from_parallel, vary)
 from jcomp.collectives.jitgrad import gather_params, scatter_specs, value_and_grad  # noqa: F401
 from jcomp.collectives.bytecheck import ExtraBytesWarning  # noqa: F401
+from jcomp.collectives.rank import rank_key  # noqa: F401
 from jcomp.collectives.hops import (  # noqa: F401,F811  (a codec per mesh axis)
     all_gather, pmean, psum, psum_ef, psum_scatter)
 from jcomp.collectives.outer import OuterState, outer_init, outer_sync  # noqa: F401
@@ -37,7 +38,7 @@ from jcomp.collectives.outer import OuterState, outer_init, outer_sync  # noqa: 
 __all__ = [
     "psum", "pmean", "psum_scatter", "all_gather", "ppermute", "all_to_all",
     "copy_to_parallel", "reduce_from_parallel", "psum_ef", "psum_scatter_ef", "vary",
-    "value_and_grad", "scatter_specs", "gather_params",
+    "value_and_grad", "scatter_specs", "gather_params", "rank_key",
     "outer_init", "outer_sync", "OuterState",
     "REMAT_NAMES", "DEFAULT_BUCKET_BYTES", "RAW_SCOPE", "RawSendWarning", "ROWS",
     "ExtraBytesWarning",

@@ -9,7 +9,9 @@ may not mix batch axes with other axes in one entry: the order of the pieces
 would then interleave the two.
 
 Flax's boxes (`nn.Partitioned`, `nn.LogicallyPartitioned`) are read by duck
-typing (`unbox`, `get_partition_spec`), so this module needs only jax.
+typing (`unbox`, `get_partition_spec`), and so are Flax NNX's Variables
+(`nnx.Param` with `nnx.with_partitioning`: `get_metadata()`, its `out_sharding`),
+so this module needs only jax.
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ from jcomp.collectives import kernels
 
 
 def is_box(x) -> bool:
-    """A flax metadata box (nn.Partitioned and kin): one array inside, names beside."""
-    return hasattr(x, "unbox") and hasattr(x, "get_partition_spec")
+    """A flax metadata box (nn.Partitioned and kin): one array inside, names beside.
+    Asked of the type, not the instance: a container whose `__getattr__` reads its
+    keys (an attribute dict) raises KeyError, not AttributeError, for a missing one."""
+    return hasattr(type(x), "unbox") and hasattr(type(x), "get_partition_spec")
 
 
 def axes_in(spec) -> set:
@@ -67,37 +71,129 @@ def logical_to_mesh(spec, rules):
     return P(*parts)
 
 
+# NNX Variables (nnx.Param and kin) keep their partition names in their metadata,
+# under the first of these keys (flax 0.12: out_sharding; newer: sharding_metadata;
+# older: sharding_names, sharding).
+NNX_SHARDING_KEYS = ("out_sharding", "sharding_metadata", "sharding_names", "sharding")
+
+
+def is_nnx_variable(x) -> bool:
+    """A flax NNX Variable (nnx.Param and kin; older flax's VariableState): a pytree
+    node around one array, its partition names in `get_metadata()`. Asked of the
+    type, as `is_box`, and a linen box is not one."""
+    return hasattr(type(x), "get_metadata") and not is_box(x)
+
+
+def nnx_names(var):
+    """The partition names an NNX Variable's metadata gives (a tuple), or None."""
+    meta = var.get_metadata()
+    if not isinstance(meta, dict):
+        raise TypeError(f"an NNX Variable's get_metadata() gave {type(meta).__name__}, "
+                        "not a dict; pass param_specs=nnx.get_partition_spec(params)")
+    for key in NNX_SHARDING_KEYS:
+        names = meta.get(key)
+        if names is not None:
+            break
+    if not names:  # as flax's get_var_pspec: no names (or empty ones) is replicated
+        return None
+    if not isinstance(names, (tuple, list)):  # a PartitionSpec is a tuple
+        raise TypeError(f"an NNX Variable's {key}={names!r}: a tuple of mesh or logical "
+                        "axis names was expected; pass param_specs= to say the spec")
+    return tuple(names)
+
+
+def nnx_spec(var, rules):
+    """An NNX Variable's mesh PartitionSpec, as `nnx.get_partition_spec` gives it:
+    its names, logical ones mapped through `rules` (the ones `nnx.logical_axis_rules`
+    would set) together with the Variable's own `sharding_rules` metadata, each
+    name looked up on its own and kept as it is where no rule names it (flax's
+    `from_sharding_rules`, not linen's `logical_to_mesh`)."""
+    names = nnx_names(var)
+    if names is None:
+        return P()
+    # As flax's composite_rules: within one source the last rule of a name wins;
+    # the two sources may not disagree.
+    table = dict(rules or ())
+    for logical, mesh_axes in dict(var.get_metadata().get("sharding_rules") or ()).items():
+        if logical in table and table[logical] != mesh_axes:
+            raise ValueError(f"inconsistent logical axis rules for {logical!r}: "
+                             f"{table[logical]!r} (rules=) vs {mesh_axes!r} (the "
+                             "Variable's sharding_rules)")
+        table[logical] = mesh_axes
+    if not table:
+        return P(*names)
+    return P(*(table[n] if isinstance(n, str) and n in table else n for n in names))
+
+
+def carries_specs(params) -> bool:
+    """Whether any parameter says its partitioning: a flax box, or an NNX Variable
+    with partition names. Where none does, `leaf_specs(params, None, ...)` takes
+    every leaf as replicated, which on a mesh with tensor-parallel axes is a guess."""
+    nodes = jax.tree.leaves(params, is_leaf=lambda x: is_box(x) or is_nnx_variable(x))
+    return any(is_box(x) or (is_nnx_variable(x) and nnx_names(x) is not None)
+               for x in nodes)
+
+
 def leaf_specs(params, param_specs, rules):
-    """One mesh PartitionSpec per array leaf of `params` (boxes flattened).
-    `param_specs`: a tree of PartitionSpecs with the parameters' structure (boxes
-    as leaves), or None to read them from flax's boxes; `rules`: logical axis
-    rules, where the specs (given or boxed) name logical axes."""
+    """One mesh PartitionSpec per array leaf of `params`, in `jax.tree.leaves`
+    order (boxes and NNX Variables flattened to their one array).
+    `param_specs`: a tree of PartitionSpecs with the parameters' structure (linen
+    boxes as leaves; for NNX, `nnx.get_partition_spec(params)`), or None to read
+    them from flax's linen boxes and NNX Variables' metadata; `rules`: logical
+    axis rules, where the specs (given or read) name logical axes. Leaves that
+    carry no partition names are replicated (P()), as flax's get_partition_spec
+    reads them."""
     box_def = jax.tree.structure(params, is_leaf=is_box)
     boxes = box_def.flatten_up_to(params)
-    if param_specs is None:  # as nn.get_partition_spec: an unboxed leaf is replicated
-        specs = [b.get_partition_spec() if is_box(b) else P() for b in boxes]
-        rules = rules if rules is not None else next(
-            (b.rules for b in boxes if getattr(b, "rules", None)), None)
-        logical = [b for b in boxes if hasattr(b, "rules")]
-        if logical and rules is None:
-            raise ValueError("the parameters carry logical axis names "
-                             "(nn.LogicallyPartitioned): pass rules=, as given to "
-                             "nn.logical_axis_rules")
-    else:
-        try:
-            specs = box_def.flatten_up_to(param_specs)
-        except (TypeError, ValueError):
-            raise ValueError("param_specs must have the parameters' tree structure (flax "
-                             "boxes count as leaves), one PartitionSpec per leaf") from None
+    if param_specs is None:
+        return _read_specs(params, rules)
+    try:
+        specs = box_def.flatten_up_to(param_specs)
+    except (TypeError, ValueError):
+        raise ValueError("param_specs must have the parameters' tree structure (flax "
+                         "boxes count as leaves; for NNX parameters, "
+                         "nnx.get_partition_spec(params)), one PartitionSpec per "
+                         "leaf") from None
     if rules is not None:
         specs = [logical_to_mesh(s, rules) if isinstance(s, P) else s for s in specs]
+    for b in boxes:
+        _one_array(b, "a parameter box")
+    return specs
+
+
+def _one_array(node, what, allow_none=False):
+    n = len(jax.tree.leaves(node))
+    if n != 1 and not (allow_none and n == 0):
+        raise ValueError(f"{what} holds {n} arrays; value_and_grad takes one array per "
+                         f"{what.split()[-1]}")
+    return n
+
+
+def _read_specs(params, rules):
+    """leaf_specs without param_specs: linen boxes' names (logical ones through
+    `rules`, or the boxes' own rules, by linen's logical_to_mesh), NNX Variables'
+    metadata (through `rules` and their sharding_rules, as NNX maps them), P() for
+    the rest."""
+    nodes = jax.tree.leaves(params, is_leaf=lambda x: is_box(x) or is_nnx_variable(x))
+    boxes = [b for b in nodes if is_box(b)]
+    box_rules = rules if rules is not None else next(
+        (b.rules for b in boxes if getattr(b, "rules", None)), None)
+    if box_rules is None and any(hasattr(b, "rules") for b in boxes):
+        raise ValueError("the parameters carry logical axis names "
+                         "(nn.LogicallyPartitioned): pass rules=, as given to "
+                         "nn.logical_axis_rules")
     out = []
-    for b, s in zip(boxes, specs):
-        n = len(jax.tree.leaves(b))
-        if n != 1:
-            raise ValueError(f"a parameter box holds {n} arrays; value_and_grad takes one "
-                             "array per box")
-        out.append(s)
+    for node in nodes:
+        if is_box(node):
+            _one_array(node, "a parameter box")
+            spec = node.get_partition_spec()
+            out.append(logical_to_mesh(spec, box_rules) if box_rules is not None else spec)
+        elif is_nnx_variable(node):
+            # An empty Variable has no leaf in jax.tree.leaves(params), so no spec.
+            out.extend([nnx_spec(node, rules)] * _one_array(node, "an NNX Variable",
+                                                              allow_none=True))
+        else:
+            out.append(P())
     return out
 
 
