@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp.meter import compare
-from jcomp.meter.compare import ExtraBytesWarning
+from jcomp.meter.compare import ExtraBytesWarning  # noqa: F401  (public: cc.ExtraBytesWarning)
 
 _state = threading.local()
 

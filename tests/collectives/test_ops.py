@@ -529,3 +529,50 @@ def test_a_lossy_codec_refuses_integer_leaves_at_every_size(mesh, codec, n):
                 call(lambda a: op(a, codec), _put(mesh, leaf))
     np.testing.assert_array_equal(call(lambda a: cc.psum(a, "data"), _put(mesh, x)),
                                   call(lambda a: lax.psum(a, "data"), _put(mesh, x)))
+
+
+def test_a_coded_op_in_a_map_leaving_an_axis_automatic_says_it_sends_more():
+    """A hand-made cc.pmean of tensor-parallel gradients in a map manual over "data"
+    only (the other axis automatic, parameters split over it by XLA): the coded
+    buffers carry no layout over "model", XLA gathers the gradients before coding
+    them, and the program sends more over "model" than the plain gradient
+    program. The op names the axis (ExtraBytesWarning); with codec "none" (lax's
+    own op) or a map manual over every axis it is quiet."""
+    import warnings
+    from jax.sharding import AxisType
+
+    m = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    rng = np.random.default_rng(0)
+    with jax.set_mesh(m):
+        params = {"w": jax.device_put(rng.standard_normal((64, 512)).astype(np.float32),
+                                      NamedSharding(m, P(None, "model"))),
+                  "v": jax.device_put(rng.standard_normal((512, 64)).astype(np.float32),
+                                      NamedSharding(m, P("model", None)))}
+        x = jax.device_put(rng.standard_normal((32, 64)).astype(np.float32),
+                           NamedSharding(m, P("data")))
+        loss = lambda p, b: jnp.mean((jnp.tanh(b @ p["w"]) @ p["v"]) ** 2)
+
+        def hand_made(codec):
+            def local(p, b):
+                return cc.pmean(jax.grad(loss)(cc.vary(p, "data"), b), "data", codec=codec)
+            return jax.jit(lambda p, b: jax.shard_map(
+                local, mesh=m, in_specs=(P(), P("data")), out_specs=P(),
+                axis_names={"data"})(p, b))
+
+        def warned(fn):
+            with warnings.catch_warnings(record=True) as got:
+                warnings.simplefilter("always")
+                report = wire.measure(fn, params, x, mesh=m)
+            return [str(w.message) for w in got
+                    if issubclass(w.category, cc.ExtraBytesWarning)], report
+
+        msgs, ours = warned(hand_made("int8"))
+        assert msgs and "leaves ['model'] automatic" in msgs[0], msgs
+        plain = wire.measure(jax.jit(jax.grad(loss)), params, x, mesh=m)
+        assert ours.by_mesh_axis()["model"] > 2 * plain.by_mesh_axis()["model"]
+        assert warned(hand_made("none"))[0] == []
+        specs = {"w": P(None, "model"), "v": P("model", None)}
+        full = jax.jit(jax.shard_map(
+            lambda p, b: cc.pmean(jax.grad(loss)(cc.vary(p, "data"), b), "data", codec="int8"),
+            mesh=m, in_specs=(specs, P("data")), out_specs=specs))
+        assert warned(full)[0] == []
