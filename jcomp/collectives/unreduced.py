@@ -42,7 +42,7 @@ def value_and_grad(loss_fn, mesh, data_axes, has_aux, codec, scatter, rows, buck
                                                       wanted, batch)
         g_leaves = jax.tree.leaves(grads)
         outs = [jitspecs.scatter_spec(P(*s.partitions), jnp.shape(x), axes, mesh.shape)
-                if scatter else P(*s.partitions)
+                if scatter and axes else P(*s.partitions)
                 for x, s, axes in zip(leaves, specs, reduce_over)]
 
         def body(gs, k):
@@ -65,6 +65,10 @@ def value_and_grad(loss_fn, mesh, data_axes, has_aux, codec, scatter, rows, buck
         reduced = jax.shard_map(
             body, mesh=mesh, in_specs=([jax.typeof(g).sharding.spec for g in g_leaves], P()),
             out_specs=outs, check_vma=False)(g_leaves, k)
+        if scatter:  # a leaf JAX reduced whole: its scattered piece is a local slice
+            reduced = [jax.reshard(g, jitspecs.scatter_spec(o, g.shape, axes, mesh.shape))
+                       if axes and not r else g
+                       for g, o, axes, r in zip(reduced, outs, wanted, reduce_over)]
         return value, treedef.unflatten(reduced)
 
     return fn
@@ -120,7 +124,8 @@ def _agree(mesh, data_axes, params, param_specs, rules, specs):
 
 
 def _norm(spec):
-    parts = list(spec)
+    """A spec's entries, one-name tuples as the name, trailing Nones dropped."""
+    parts = [p[0] if isinstance(p, tuple) and len(p) == 1 else p for p in spec]
     while parts and parts[-1] is None:
         parts.pop()
     return tuple(parts)

@@ -138,3 +138,23 @@ def test_bad_arguments_on_explicit_meshes_are_named(setup):
     with pytest.raises(ValueError, match=r"\['data'\] are Explicit mesh axes and the others"):
         cc.value_and_grad(es.loss_fn, mesh=mixed, data_axes=("data", "fsdp"),
                           mean_over="examples")
+
+
+def test_scatter_returns_every_gradient_as_scatter_specs_says(setup):
+    """scatter=True: each gradient reduce-scattered over "data" where a dimension
+    divides (cc.scatter_specs' layouts, the leaves JAX reduced raw included), with
+    the plain step's values."""
+    mesh, params, _, _ = setup
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore", cc.RawSendWarning)
+        batch = next(es.batches(1))
+        plain = jax.jit(es.plain_grads_of)(params, batch)
+        loss, grads = jax.jit(_vg(mesh, scatter=True))(params, batch)
+        specs = jax.tree.map(lambda w: P(*w.sharding.spec), params)
+        want = cc.scatter_specs(params, specs, mesh)
+    assert float(loss) == float(plain[0])
+    for g, a, s in zip(jax.tree.leaves(grads), jax.tree.leaves(plain[1]),
+                       jax.tree.leaves(want, is_leaf=lambda x: isinstance(x, P))):
+        assert g.sharding.spec == s, (g.sharding.spec, s)
+        a = np.asarray(a)
+        assert np.abs(np.asarray(g) - a).max() <= 2e-7 * np.abs(a).max()
