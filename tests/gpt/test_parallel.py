@@ -175,9 +175,13 @@ def test_layer_selection_is_the_same_model_with_and_without_pipeline_stages(refe
 
     Not bit-exact: XLA compiles a conditional's branches as computations of
     their own, so a sum can round differently in the last bit, and an int8 code
-    that lands on the other side of a rounding boundary moves by a whole step
-    (measured here: 4.4e-4, against 1.5e-2 for the mirrored selection; 2e-7 to
-    6e-4 across other selections)."""
+    that lands on the other side of a rounding boundary moves by a whole step.
+    The distance is over the whole model's gradient (every leaf in one vector):
+    a small leaf's own distance is set by a few flipped codes, and which codes
+    flip depends on the CPU XLA compiles for (the worst leaf, a 256-element norm
+    scale, measured 4.4e-4 against 1.5e-2 for the mirrored selection on one
+    machine and 7.5e-4 against 6.1e-3 on another). Measured whole: 1.5e-4
+    against 1.9e-3."""
     int8 = policy.preset("baseline").replace({"tensor.act": "int8", "tensor.act_grad": "int8"})
     # Layers 0 and 7 differ between the stages' first and last layers (conditionals),
     # layers 1-2 and 5-6 agree (static scans); remat recomputes the branches.
@@ -185,7 +189,8 @@ def test_layer_selection_is_the_same_model_with_and_without_pipeline_stages(refe
     piped, flat = (_loss_and_grads(pol, s, reference, remat=True) for s in ((2, 2, 2), (2, 2, 1)))
     other = _loss_and_grads(int8.restrict({"tensor.act": "1-6", "tensor.act_grad": "0,7"}),
                             (2, 2, 1), reference, remat=True)
-    dist = lambda a, b: max(_rel(x, y) for x, y in zip(a[1], b[1]))
+    whole = lambda g: np.concatenate([np.asarray(x, np.float64).ravel() for x in g])
+    dist = lambda a, b: _rel(whole(a[1]), whole(b[1]))
     same, to_other = dist(piped, flat), dist(piped, other)
     assert same <= 0.1 * to_other, (same, to_other)
     assert abs(piped[0] - flat[0]) <= 1e-5 * abs(flat[0])
