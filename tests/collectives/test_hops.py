@@ -218,6 +218,21 @@ def test_scatter_and_gather_per_hop_lay_blocks_out_as_lax(shape, dim):
                                           _run(mesh, ref_fn, x, grad=True)[0])
 
 
+
+def _hop_against_flat(mesh, x, ref_fn, hop_fn, flat_fn, ici_fn):
+    """hop_fn within int8's error of lax's ref_fn; over "dcn" no more than the flat
+    coded op's bytes / |ici| (+1%), over "ici" no more than lax's op over ici.
+    -> hop_fn's wire report."""
+    ref, _ = _run(mesh, ref_fn, x)
+    hop, r_hop = _run(mesh, hop_fn, x)
+    _, r_flat = _run(mesh, flat_fn, x)
+    _, r_ici = _run(mesh, ici_fn, x)
+    assert np.abs(hop - ref).max() <= 0.02 * np.abs(ref).max()
+    by = r_hop.by_axis()
+    assert by["dcn"] <= r_flat.total() / mesh.shape["ici"] * 1.01, (by, r_flat.by_axis())
+    assert by["ici"] <= r_ici.by_axis()["ici"], (by, r_ici.by_axis())
+    return r_hop
+
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
 def test_scatter_and_gather_code_only_the_slow_hop(shape):
     """int8 on dcn: what crosses dcn is int8 codes and scales on 1/n_ici of the
@@ -225,7 +240,6 @@ def test_scatter_and_gather_code_only_the_slow_hop(shape):
     within int8's error; ici carries what lax's op over ici alone carries."""
     mesh = _mesh(shape)
     names = mesh.axis_names
-    n_ici = mesh.shape["ici"]
     x = _data(mesh.size)
     for ref_fn, hop_fn, flat_fn, ici_fn in [
             (lambda a: lax.psum_scatter(a, names, tiled=True),
@@ -236,14 +250,7 @@ def test_scatter_and_gather_code_only_the_slow_hop(shape):
              lambda a: cc.all_gather(a, names, tiled=True, codec={"dcn": "int8"}),
              lambda a: cc.all_gather(a, names, tiled=True, codec="int8"),
              lambda a: lax.all_gather(lax.all_gather(a, "dcn", tiled=True), "ici", tiled=True))]:
-        ref, _ = _run(mesh, ref_fn, x)
-        hop, r_hop = _run(mesh, hop_fn, x)
-        _, r_flat = _run(mesh, flat_fn, x)
-        _, r_ici = _run(mesh, ici_fn, x)
-        assert np.abs(hop - ref).max() <= 0.02 * np.abs(ref).max()
-        by = r_hop.by_axis()
-        assert by["dcn"] <= r_flat.total() / n_ici * 1.01, (by, r_flat.by_axis())
-        assert by["ici"] <= r_ici.by_axis()["ici"], (by, r_ici.by_axis())
+        r_hop = _hop_against_flat(mesh, x, ref_fn, hop_fn, flat_fn, ici_fn)
         assert all(c.dtype in ("u8", "s8") for c in r_hop.collectives if c.axes == ("dcn",))
 
 
@@ -397,14 +404,7 @@ def test_few_row_scatter_and_gather_send_what_lax_sends():
              lambda a: cc.all_gather(a[:, :1024], names, tiled=True, codec="int8"),
              lambda a: lax.all_gather(lax.all_gather(a[:, :1024], "dcn", tiled=True), "ici",
                                       tiled=True))]:
-        ref, _ = _run(mesh, ref_fn, x)
-        hop, r_hop = _run(mesh, hop_fn, x)
-        _, r_flat = _run(mesh, flat_fn, x)
-        _, r_ici = _run(mesh, ici_fn, x)
-        assert np.abs(hop - ref).max() <= 0.02 * np.abs(ref).max()
-        by = r_hop.by_axis()
-        assert by["ici"] <= r_ici.by_axis()["ici"], (by, r_ici.by_axis())
-        assert by["dcn"] <= r_flat.total() / mesh.shape["ici"] * 1.01, (by, r_flat.by_axis())
+        _hop_against_flat(mesh, x, ref_fn, hop_fn, flat_fn, ici_fn)
 
 
 def _mlp_steps(mesh, reduce, steps=10):
