@@ -43,7 +43,9 @@ def checked(fn, loss_fn, has_aux, mesh, shardings_of):
                    tuple(map(_sig, jax.tree.leaves(p_abs) + jax.tree.leaves(b_abs))))
             if sig not in done:
                 done.add(sig)
-                _check(plain, fn, params, p_specs, p_abs, b_abs, mesh)
+                k_abs = None if key is None else jax.ShapeDtypeStruct(jnp.shape(key),
+                                                                     jax.typeof(key).dtype)
+                _check(plain, fn, params, p_specs, p_abs, b_abs, k_abs, mesh)
         return out
 
     return run
@@ -66,15 +68,16 @@ def _abstract(tree, specs, mesh):
         for x, s in zip(leaves, specs)])
 
 
-def _check(plain, fn, params, p_specs, p_abs, b_abs, mesh):
+def _check(plain, fn, params, p_specs, p_abs, b_abs, k_abs, mesh):
     _state.inside = True
     try:
-        c = compare.compare(plain, lambda p, b: fn(p, b), p_abs, b_abs, mesh=mesh)
+        c = compare.compare(lambda p, b, k: plain(p, b), fn, p_abs, b_abs, k_abs, mesh=mesh)
     except Exception as e:  # noqa: BLE001  (the user's step goes on; the gap is named)
         warnings.warn(ExtraBytesWarning(
-            f"cc.value_and_grad could not compile the plain gradient program beside its "
-            f"own to compare their bytes ({type(e).__name__}: {str(e).splitlines()[0]}); "
-            f"compare them yourself with jcomp.meter.compare.compare"), stacklevel=4)
+            f"cc.value_and_grad could not compile the plain gradient program and its own "
+            f"on their own to compare their bytes ({type(e).__name__}: "
+            f"{str(e).splitlines()[0]}); compare the steps with jcomp.meter.compare.compare"),
+            stacklevel=4)
         return
     finally:
         _state.inside = False

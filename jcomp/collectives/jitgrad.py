@@ -182,13 +182,13 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
         def local(shards, batch, k):
             k = None if key is None else k
             gk, rk = (None, None) if k is None else jax.random.split(k)
-            full = _nested(rest, specs, specs, lambda ls: gather(
-                ls, specs, data_axes, param_codec, gk, rows, bucket), shards)
+            full = _nested(rest, specs, specs, lambda ls, kk: gather(
+                ls, specs, data_axes, param_codec, kk, rows, bucket), shards, gk)
             p_var = treedef.unflatten(ops.vary(full, data_axes))  # no automatic psum
             (loss, aux_v), grads = _accumulate(value_of, p_var, batch, microbatches,
                                                data_axes, mean_over, aux_rules)
-            grads = _nested(rest, specs, outs, lambda gs: reduce(
-                gs, outs, data_axes, codec, rk, rows, bucket), jax.tree.leaves(grads))
+            grads = _nested(rest, specs, outs, lambda gs, kk: reduce(
+                gs, outs, data_axes, codec, kk, rows, bucket), jax.tree.leaves(grads), rk)
             return ((loss, aux_v) if has_aux else loss), grads
 
         k = jnp.zeros((), jnp.uint32) if key is None else key
@@ -221,16 +221,19 @@ def _explicit(mesh, data_axes) -> bool:
     return bool(explicit)
 
 
-def _nested(rest, in_specs, out_specs, body, leaves):
-    """body(leaves) in a map manual over the other axes too, so that each device
-    works on its own shards and nothing is gathered over an automatic axis."""
+def _nested(rest, in_specs, out_specs, body, leaves, key):
+    """body(leaves, key) in a map manual over the other axes too, so that each
+    device codes its own shards and nothing is gathered over an automatic axis.
+    The key (or None) enters as an argument: a value closed over from the outer
+    map lives on another mesh."""
     if not rest:
-        return body(leaves)
+        return body(leaves, key)
+    keys = () if key is None else (key,)
     return jax.shard_map(
-        body, mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=([jitspecs.only(s, rest) for s in in_specs],),
+        lambda ls, *k: body(ls, k[0] if k else None), mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=([jitspecs.only(s, rest) for s in in_specs],) + (P(),) * len(keys),
         out_specs=[jitspecs.only(s, rest) for s in out_specs],
-        axis_names=frozenset(rest))(leaves)
+        axis_names=frozenset(rest))(leaves, *keys)
 
 
 def _scales(batch, k, axes, mean_over):

@@ -59,3 +59,16 @@ def test_a_step_that_sends_no_more_is_quiet(setup):
 def test_check_bytes_false_compiles_no_twin(setup):
     mesh, params, x, specs = setup
     assert _trace(mesh, params, x, param_specs={**specs, "w": P()}, check_bytes=False) == []
+
+
+def test_a_codec_that_draws_is_checked_with_the_callers_key(setup):
+    """int8:sr draws: the twins compile with a key of the caller's type, and the
+    check runs (it names the axis) instead of failing to compile."""
+    mesh, params, x, specs = setup
+    with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        fn = cc.value_and_grad(_loss, mesh=mesh, mean_over="examples", codec="int8:sr",
+                               param_specs={**specs, "w": P()})
+        jax.jit(fn).lower(params, x, jax.random.key(0))
+    texts = [str(w.message) for w in got if issubclass(w.category, cc.ExtraBytesWarning)]
+    assert len(texts) == 1 and "on axis 'model'" in texts[0], texts
