@@ -42,6 +42,7 @@ power-of-two number of islands; tested to 2 ulp).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -113,7 +114,8 @@ def outer_sync(params_IxX, state: OuterState, *, tx, mesh, axis: str, codec="non
     is a token, so each leaf's piece codes as one vector and fewer scales
     travel; leaves never share a block) or "independent" (every vector along a
     leaf's last axis on its own, pieces made of whole rows). key: for codecs
-    that draw. Call it inside `jax.jit`.
+    that draw. A leaf of size 0 sends nothing and stays empty. Call it inside
+    `jax.jit`.
     """
     _check_tx(tx)
     _check_args(params_IxX, state, mesh, axis)
@@ -151,10 +153,15 @@ def _average(delta_IxX, residual_IxX, specs, mesh, axis, codec, rows, key, bucke
     1/n piece of it across `axis`, and gather the averaged pieces over those
     fast axes: the slow link carries each island's pseudo-gradient once, not
     once per copy."""
-    leaves, treedef = jax.tree.flatten(delta_IxX)
-    specs = treedef.flatten_up_to(specs)
+    all_leaves, treedef = jax.tree.flatten(delta_IxX)
+    all_specs = treedef.flatten_up_to(specs)
     fed = residual_IxX is not None
-    res_leaves = treedef.flatten_up_to(residual_IxX) if fed else [None] * len(leaves)
+    all_res = treedef.flatten_up_to(residual_IxX) if fed else [None] * len(all_leaves)
+    # An empty leaf (size 0) has nothing to send: its mean is empty, its residual
+    # stays as it is. The others are averaged below.
+    sent = [i for i, x in enumerate(all_leaves) if x.size]
+    leaves, specs = [all_leaves[i] for i in sent], [all_specs[i] for i in sent]
+    res_leaves = [all_res[i] for i in sent]
     copies = [tuple(a for a in mesh.axis_names if a != axis and a not in axes_in(s)
                     and mesh.shape[a] > 1) for s in specs]
     kw = dict(codec=codec, rows=rows, key=key, bucket_bytes=bucket_bytes)
@@ -184,10 +191,17 @@ def _average(delta_IxX, residual_IxX, specs, mesh, axis, codec, rows, key, bucke
             out_res.append(None if miss is None else miss[None])
         return out_means, (out_res if fed else None)
 
-    island_specs = [P(axis, *s) for s in specs]
-    f = jax.shard_map(body, mesh=mesh, in_specs=(island_specs,) * (1 + fed),
-                      out_specs=(list(specs), island_specs if fed else None))
-    means, res = f(*((leaves, res_leaves) if fed else (leaves,)))
+    means = [jnp.zeros(x.shape[1:], x.dtype) for x in all_leaves]
+    res = list(all_res)
+    if sent:
+        island_specs = [P(axis, *s) for s in specs]
+        f = jax.shard_map(body, mesh=mesh, in_specs=(island_specs,) * (1 + fed),
+                          out_specs=(list(specs), island_specs if fed else None))
+        got, got_res = f(*((leaves, res_leaves) if fed else (leaves,)))
+        for j, i in enumerate(sent):
+            means[i] = got[j]
+            if fed:
+                res[i] = got_res[j]
     return (jax.tree.unflatten(treedef, means),
             jax.tree.unflatten(treedef, res) if fed else None)
 
@@ -256,6 +270,16 @@ def _check_specs(param_specs, tree, name, lead, mesh, axis) -> list:
         if len(spec) > leaf.ndim - lead:
             raise ValueError(f"{where} = {spec} has more entries than the leaf's "
                              f"{leaf.ndim - lead} dimensions")
+        shape = tuple(leaf.shape[lead:])
+        for dim, part in enumerate(spec):
+            names = () if part is None else part if isinstance(part, tuple) else (part,)
+            n = math.prod(mesh.shape[a] for a in names)
+            if shape[dim] % n:
+                raise ValueError(
+                    f"{where} = {spec} splits dimension {dim} of the leaf's shape {shape} "
+                    f"(one island's) over {' x '.join(names)} = {n} devices, which does not "
+                    f"divide {shape[dim]} (mesh axis sizes {dict(mesh.shape)}); give a split "
+                    "whose axes' sizes divide each dimension they split")
     return jax.tree.unflatten(treedef, specs)
 
 

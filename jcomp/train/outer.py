@@ -54,6 +54,9 @@ from jcomp.train.traffic import WIDTH, human
 
 AXIS = "dcn"  # the islands' mesh axis
 FIELDS = ("every", "codec", "error_feedback", "lr", "momentum", "fragments")
+# configs/base.py's outer.*: with every=0 (off) every other field must keep its default.
+DEFAULTS = {"every": 0, "codec": "none", "error_feedback": "off", "lr": 1.0, "momentum": 0.0,
+            "fragments": 1}
 # Codecs that draw (":sr", randk) get fold_in(fold_in(key(seed), KEY_STREAM), step):
 # a stream apart from the inner step's, a pure function of the step (resumes draw alike).
 KEY_STREAM = 0x5D1
@@ -84,13 +87,15 @@ class OuterSettings:
 
 def settings(o) -> OuterSettings | None:
     """config.outer -> OuterSettings, or None where outer.every = 0 (off).
-    UsageError naming the field and what is allowed."""
+    UsageError naming the field and what is allowed; with every = 0 any other
+    field away from its default (DEFAULTS) is refused as unused."""
     if o is None:
         return None
     every = o.get("every", 0)
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise UsageError(f"outer.every={every!r}; allowed: an integer >= 0 (0: no outer loop)")
     if every == 0:
+        _check_unused(o)
         return None
     fragments = o.get("fragments", 1)
     if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
@@ -122,6 +127,17 @@ def settings(o) -> OuterSettings | None:
                          f"{spec!r} is lossless; set a lossy codec (e.g. topk:0.03) or 'off'")
     return OuterSettings(every=every, codec=str(spec), error_feedback=ef == "on",
                          lr=float(o.lr), momentum=float(o.momentum), fragments=fragments)
+
+
+def _check_unused(o):
+    """With outer.every=0 no outer loop runs: a field set away from its default
+    would be ignored, so it is refused (as compression.dcn.* without a split)."""
+    for name in FIELDS[1:]:
+        v, default = o.get(name, DEFAULTS[name]), DEFAULTS[name]
+        if isinstance(v, bool) or v != default:
+            raise UsageError(f"outer.{name}={v!r} applies to an outer loop only, and "
+                             "outer.every=0 runs none; set outer.every > 0, or leave "
+                             f"outer.{name} at its default {default!r}")
 
 
 def due(done: int, outer: OuterSettings) -> list[int]:

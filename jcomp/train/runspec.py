@@ -15,6 +15,7 @@ the last phase's plan), never a policy or a codec spec string.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -246,6 +247,7 @@ def validate(cfg, n_devices: int) -> RunSpec:
         shape = mesh_lib.resolve_shape(sizes, n_devices)
     except (TypeError, ValueError) as e:
         raise UsageError(f"mesh: {e}") from None
+    _check_dcn_data(dcn_data, shape[0])
     outer = outer_lib.settings(cfg.get("outer"))
     split = _islands(cfg, outer, shape, dcn_data) if outer else dcn_data
     try:
@@ -319,6 +321,8 @@ def validate(cfg, n_devices: int) -> RunSpec:
     if outer and lowrank:
         raise UsageError(f"compression.data.grad={lowrank[0]}: PowerSGD inside the islands of "
                          "an outer loop (outer.every > 0) is not supported; use a byte codec")
+    if outer and outer.fragments > 1:
+        _check_fragments(outer, model_cfg, pol)
     try:
         layout = zero.for_plan(plans[-1], cfg.optim.zero_stage)
         for pl in plans[:-1]:  # every phase runs on the layout; each must fit one too
@@ -336,6 +340,30 @@ def validate(cfg, n_devices: int) -> RunSpec:
                    dcn_data=int(dcn_data), outer=outer)
 
 
+def _check_dcn_data(dcn_data, data: int):
+    """mesh.dcn_data: a positive integer dividing mesh.data (1: no split)."""
+    divisors = [str(k) for k in range(1, data + 1) if data % k == 0]
+    listed = ", ".join(divisors[:-1]) + (" or " if len(divisors) > 1 else "") + divisors[-1]
+    allowed = (f"allowed: a divisor of mesh.data={data}, {listed} (1: no split; k > 1 splits "
+               "the data axis into k slow-hop groups)")
+    if isinstance(dcn_data, bool) or not isinstance(dcn_data, (int, np.integer)) or dcn_data < 1:
+        raise UsageError(f"mesh.dcn_data={dcn_data!r}; {allowed}")
+    if data % dcn_data:
+        raise UsageError(f"mesh.dcn_data={dcn_data} does not divide mesh.data={data}; {allowed}")
+
+
+def _check_fragments(outer, model_cfg, pol):
+    """outer.fragments groups the parameter leaves (`outer_lib.fragments`): the
+    leaves counted from the model's abstract init, nothing compiled."""
+    shapes = jax.eval_shape(lambda: gpt.init_params(model_cfg, jax.random.key(0),
+                                                    coders=autoencoder.coders(pol)))
+    sizes = [math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(shapes)]
+    try:
+        outer_lib.fragments(sizes, outer.fragments)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _islands(cfg, outer, shape, dcn_data) -> int:
     """The outer loop's islands (mesh.dcn_data's groups, or every data rank), or
     UsageError where the run cannot have them."""
@@ -344,6 +372,19 @@ def _islands(cfg, outer, shape, dcn_data) -> int:
         raise UsageError(f"outer.every={outer.every} needs at least 2 islands: mesh.data >= 2 "
                          f"(each data rank an island) or mesh.dcn_data >= 2; got mesh.data="
                          f"{shape[0]}")
+    procs = jax.process_count()
+    if dcn_data == 1 and procs > 1 and islands != procs:
+        # Every island must be one or several whole processes (mesh.check_processes):
+        # with each data rank an island, that is one data rank per process.
+        ks = " or ".join(f"mesh.dcn_data={k}" for k in range(2, procs + 1) if procs % k == 0)
+        fix = (f"set mesh.dcn_data to a divisor of {procs} above 1 ({ks})"
+               if shape[0] % procs == 0 else
+               f"set mesh.data to a multiple of {procs} and mesh.dcn_data to a divisor of "
+               f"{procs} above 1 ({ks})")
+        raise UsageError(
+            f"outer.every={outer.every} with mesh.dcn_data=1 (no split) makes each of the "
+            f"mesh.data={shape[0]} data ranks an island, but in a run of {procs} processes "
+            f"every island must be one or several whole processes: {fix}")
     for kind in ("grad", "param"):
         spec = cfg.compression.get("dcn", {}).get(kind, "")
         if spec:

@@ -288,6 +288,49 @@ def test_bad_arguments_are_named(mesh):
         cc.outer_sync(params_IxX, state, **dict(kw, rows="rows"))
 
 
+def test_an_empty_leaf_syncs_trivially(mesh):
+    """A parameter leaf of size 0 has nothing to send: it stays empty (its
+    residual too), and the other leaves sync bit for bit as without it."""
+    tx = optax.sgd(1.0)
+    params = dict(_params(), e=jnp.zeros((0, 4)))
+    drop = lambda tree: {k: v for k, v in tree.items() if k != "e"}
+    scale_I = jnp.arange(1.0, ISLANDS + 1.0)  # the islands apart: island i at (i + 1) x
+    # e split over 'data' (sent where it lies) or replicated (sent in pieces, gathered)
+    for e_spec, codec, ef in ((P("data"), "topk:0.1", True), (P(), "none", False),
+                              (P("data"), "none", False), (P(), "int8", True)):
+        specs = dict(SPECS, e=e_spec)
+        params_IxX, state = jax.jit(functools.partial(
+            cc.outer_init, tx=tx, mesh=mesh, axis="dcn", param_specs=specs,
+            error_feedback=ef))(params)
+        moved = jax.tree.map(lambda x: x * scale_I.reshape((-1,) + (1,) * (x.ndim - 1)),
+                             params_IxX)
+        got, new = jax.jit(functools.partial(cc.outer_sync, tx=tx, mesh=mesh, axis="dcn",
+                                             codec=codec, param_specs=specs))(moved, state)
+        assert got["e"].shape == (ISLANDS, 0, 4) and new.anchor["e"].shape == (0, 4)
+        assert not ef or new.residual["e"].shape == (ISLANDS, 0, 4)
+        want, _ = _sync(mesh, tx, codec)(drop(moved), cc.OuterState(
+            drop(state.anchor), tx.init(drop(state.anchor)), drop(state.residual) if ef else None))
+        for k in want:
+            assert np.array_equal(np.asarray(got[k]), np.asarray(want[k])), (e_spec, codec, k)
+
+
+def test_a_split_that_does_not_divide_a_leaf_names_param_specs(mesh):
+    """'data' (4 devices) cannot split a leaf of 6 elements: refused naming
+    param_specs, the leaf, the spec, its shape and the mesh axis sizes."""
+    tx = optax.sgd(1.0)
+    params = dict(_params(), b1=jnp.zeros((6,)))
+    params_IxX = jax.tree.map(lambda x: jnp.stack([x, x]), params)
+    state = cc.OuterState(params, tx.init(params))
+    specs = dict(SPECS, b1=P("data"))
+    said = (r"param_specs\['b1'\] = P\('data',\) splits dimension 0 of the leaf's "
+            r"shape \(6,\) \(one island's\) over data = 4 devices, which does not divide 6 "
+            r"\(mesh axis sizes \{'dcn': 2, 'data': 4\}\)")
+    with pytest.raises(ValueError, match=said):
+        cc.outer_init(params, tx, mesh=mesh, axis="dcn", param_specs=specs)
+    with pytest.raises(ValueError, match=said):
+        cc.outer_sync(params_IxX, state, tx=tx, mesh=mesh, axis="dcn", param_specs=specs)
+
+
 def test_explicit_mesh():
     """The same sync on a mesh of Explicit axes (nanoDO's kind), where shard_map
     inputs must carry their shardings: "none" is the islands' mean (2 ulp),

@@ -172,6 +172,22 @@ BAD = [
     ({"outer.every": 4, "mesh.data": 4, "mesh.pipeline": 1, "mesh.dcn_data": 2,
       "compression.dcn.grad": "int8"}, "compression.dcn.grad='int8': with outer.every > 0"),
     ({"outer.every": 4, "compression.data.grad": "powersgd:rank=2"}, "PowerSGD inside the islands"),
+    # mesh.dcn_data below 1 is no split: refused as without an outer loop, not
+    # taken as "each data rank an island" (and written into the checkpoint)
+    ({"outer.every": 4, "mesh.dcn_data": 0},
+     "mesh.dcn_data=0; allowed: a divisor of mesh.data=2, 1 or 2"),
+    ({"outer.every": 4, "mesh.dcn_data": -1},
+     "mesh.dcn_data=-1; allowed: a divisor of mesh.data=2, 1 or 2"),
+    # tiny's model has 15 parameter leaves: counted up front, nothing compiled
+    ({"outer.every": 16, "outer.fragments": 16, "train.steps": 16},
+     "outer.fragments=16: the model has only 15 parameter leaves to group; allowed: 1 to 15"),
+    # with outer.every=0 no outer loop runs: a field set away from its default is
+    # refused, as compression.dcn.* without a split (an invalid value included)
+    ({"outer.lr": -1.0}, "outer.lr=-1.0 applies to an outer loop only, and outer.every=0"),
+    ({"outer.codec": "int5"}, "outer.codec='int5' applies to an outer loop only"),
+    ({"outer.codec": "int8"}, "leave outer.codec at its default 'none'"),
+    ({"outer.fragments": 2}, "outer.fragments=2 applies to an outer loop only"),
+    ({"outer.error_feedback": "on"}, "outer.error_feedback='on' applies to an outer loop only"),
 ]
 
 
@@ -180,6 +196,41 @@ def test_bad_outer_settings_are_refused_by_name(overrides, message):
     with pytest.raises(runspec.UsageError) as e:
         runspec.validate(tiny_config(**overrides), 8)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fifteen_fragments_fit_tiny_s_fifteen_leaves():
+    run = runspec.validate(tiny_config(**{"outer.every": 15, "outer.fragments": 15,
+                                          "train.steps": 15}), 8)
+    assert run.outer.fragments == 15
+
+
+@pytest.mark.parametrize("overrides,processes,message", [
+    # 4 data ranks as islands cannot be whole processes of 2: name the split to set
+    ({"mesh.data": 4, "mesh.pipeline": 1}, 2,
+     "outer.every=4 with mesh.dcn_data=1 (no split) makes each of the mesh.data=4 data ranks "
+     "an island, but in a run of 2 processes every island must be one or several whole "
+     "processes: set mesh.dcn_data to a divisor of 2 above 1 (mesh.dcn_data=2)"),
+    ({"mesh.data": 8, "mesh.tensor": 1, "mesh.pipeline": 1}, 4,
+     "set mesh.dcn_data to a divisor of 4 above 1 (mesh.dcn_data=2 or mesh.dcn_data=4)"),
+    # 2 data ranks over 4 processes: no split makes islands of whole processes
+    ({}, 4, "set mesh.data to a multiple of 4 and mesh.dcn_data to a divisor of 4 above 1"),
+])
+def test_islands_that_cannot_be_whole_processes_name_the_split_to_set(
+        monkeypatch, overrides, processes, message):
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    with pytest.raises(runspec.UsageError) as e:
+        runspec.validate(tiny_config(**{"outer.every": 4, **overrides}), 8)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert "mesh.dcn_data=1 (no split)" in str(e.value)  # what the user has, not a made-up split
+
+
+def test_islands_of_whole_processes_are_accepted(monkeypatch):
+    """2 processes: each data rank of mesh.data=2 an island, or mesh.data=4 split in 2."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert runspec.validate(tiny_config(**{"outer.every": 4}), 8).islands == 2
+    run = runspec.validate(tiny_config(**{"outer.every": 4, "mesh.data": 4, "mesh.pipeline": 1,
+                                          "mesh.dcn_data": 2}), 8)
+    assert run.islands == 2 and run.mesh_sizes()["data"] == 2
 
 
 def test_every_0_is_no_outer_loop():

@@ -107,14 +107,17 @@ def test_kill_mid_interval_resumes_bit_for_bit(full, tmp_path):
     assert state_digest(workdir, 8) == state_digest(full, 8)
 
 
-@pytest.mark.parametrize("arg,says", [
-    ("--config.outer.codec=int8", "outer.codec='topk:0.1', this run has outer.codec='int8'"),
-    ("--config.outer.every=0", "outer.every=4, this run has outer.every=0"),
+@pytest.mark.parametrize("args,says", [
+    (["--config.outer.codec=int8"], "outer.codec='topk:0.1', this run has outer.codec='int8'"),
+    # outer.every=0 with the other outer.* back at their defaults (else they are refused
+    # as unused before the checkpoint is read)
+    (["--config.outer.every=0", "--config.outer.codec=none", "--config.outer.error_feedback=off"],
+     "outer.every=4, this run has outer.every=0"),
 ])
-def test_a_resume_that_changes_an_outer_setting_is_refused(full, tmp_path, arg, says):
+def test_a_resume_that_changes_an_outer_setting_is_refused(full, tmp_path, args, says):
     workdir = str(tmp_path / "changed")
     shutil.copytree(full, workdir)
-    proc = run(workdir, *OUTER, "--config.train.steps=9", arg)
+    proc = run(workdir, *OUTER, "--config.train.steps=9", *args)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -130,3 +133,26 @@ def test_a_bad_outer_field_exits_2_with_one_line_and_no_workdir(tmp_path):
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "outer.fragments=3 does not divide outer.every=4" in lines[0], lines[0]
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("args,says", [
+    # before: trained with each data rank an island and wrote mesh_dcn_data=0 into the
+    # checkpoint, which a resume with a valid value then refused
+    (["--config.mesh.dcn_data=0", "--config.outer.every=4", "--config.train.steps=4"],
+     "mesh.dcn_data=0; allowed: a divisor of mesh.data=2, 1 or 2"),
+    # before: refused only after the workdir's lock and checkpoints/ were made
+    (["--config.outer.every=16", "--config.outer.fragments=16", "--config.train.steps=16"],
+     "outer.fragments=16: the model has only 15 parameter leaves to group; allowed: 1 to 15"),
+    # before: accepted and ignored
+    (["--config.outer.lr=-1"], "outer.lr=-1.0 applies to an outer loop only"),
+])
+def test_bad_outer_input_exits_2_before_anything_is_written(tmp_path, args, says):
+    """An existing, empty workdir stays empty: no lock file, no checkpoints/."""
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    proc = run(str(workdir), "--config=configs/tiny.py", *args, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert says in lines[0], lines[0]
+    assert os.listdir(workdir) == []

@@ -277,7 +277,9 @@ def test_dcn_data_splits_the_mesh_and_the_plan():
 
 @pytest.mark.parametrize("overrides,named", [
     ({"mesh.dcn_data": 3}, ["mesh.dcn_data=3 does not divide mesh.data=2"]),
-    ({"mesh.dcn_data": 0}, ["mesh.dcn_data must be >= 1"]),
+    ({"mesh.dcn_data": 0}, ["mesh.dcn_data=0; allowed: a divisor of mesh.data=2, 1 or 2"]),
+    ({"mesh.dcn_data": -1}, ["mesh.dcn_data=-1; allowed: a divisor of mesh.data=2, 1 or 2"]),
+    ({"mesh.dcn_data": True}, ["mesh.dcn_data=True; allowed: a divisor of mesh.data=2"]),
     ({"compression.dcn.grad": "int4"},
      ["compression.dcn.grad='int4'", "needs mesh.dcn_data > 1"]),
     ({**SPLIT, "compression.dcn.param": "powersgd:rank=2"},
