@@ -17,9 +17,9 @@ would; the fast hops carry what an uncoded all-reduce over them does.
 Rows stay apart: psum and psum_ef lay a leaf out as rows
 (`rows="independent"`: its R vectors of C elements along the last axis;
 `"flat"`: the leaf as one row) and the reduce-scatter hands each device whole
-rows or whole pieces of rows. Where n_raw does not divide R, each row is cut
-along its length into s <= n_raw pieces of ceil(C/s) elements (C zero-padded to
-a multiple of s), each a row of its own, s chosen for the fewest padded
+rows or whole pieces of rows (`rowlayout`). Where n_raw does not divide R, each
+row is cut along its length into s <= n_raw pieces of ceil(C/s) elements (C
+zero-padded to a multiple of s), each a row of its own, s chosen for the fewest padded
 elements (n_raw / gcd(R, n_raw) where that divides C, no padding; zero rows
 instead where that pads less, as for a few short rows; "flat": s = n_raw). The
 fast hops then carry what lax.psum over them carries plus fewer than n_raw
@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from jcomp.collectives import cpu, kernels, ops
+from jcomp.collectives import cpu, kernels, ops, rowlayout
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
 from jcomp.collectives.feedback import _check_residual as check_residual
 
@@ -150,7 +149,7 @@ def _forward(spec, leaves, key, codecs):
             if invariant:
                 leaf = leaf * lax.axis_size(invariant)
             live = tuple(a for a in axes if a not in invariant)
-        layouts.append(_layout(leaf, n_raw, rows))
+        layouts.append(rowlayout.layout(leaf, n_raw, rows))
         lives.append(live)
         ready.append(layouts[-1].cut(leaf))
     out = list(ready)
@@ -183,76 +182,6 @@ def _runs(coded, codecs):
         else:
             out.append((codecs[a], (a,)))
     return [(c, g if len(g) > 1 else g[0]) for c, g in out]
-
-
-class _Layout(NamedTuple):
-    """A leaf laid out as rows for the raw reduce-scatter over n_raw devices: its
-    `r` rows of `c` elements, each cut into `pieces` rows of `width` elements (c
-    zero-padded to pieces * width), then zero rows up to `n_rows`, a multiple
-    of n_raw. A row's pieces are consecutive rows and all padding is zeros at
-    the end of a row or of the rows, so every piece holds one row's elements."""
-    shape: tuple
-    dtype: Any
-    r: int
-    c: int
-    pieces: int
-    width: int
-    n_rows: int
-
-    def cut(self, leaf):
-        """`leaf` as [n_rows, width] rows in its own dtype."""
-        x_RxC = leaf.reshape(self.r, self.c)
-        if self.pieces * self.width != self.c:
-            x_RxC = jnp.pad(x_RxC, ((0, 0), (0, self.pieces * self.width - self.c)))
-        x_RxC = x_RxC.reshape(self.r * self.pieces, self.width)
-        pad = self.n_rows - x_RxC.shape[0]
-        return jnp.pad(x_RxC, ((0, pad), (0, 0))) if pad else x_RxC
-
-    def join(self, x_RxC, dtype=None):
-        """Inverse of `cut`, in `dtype` (default the leaf's): the zero rows dropped,
-        each row's pieces put back together and its padding cut off."""
-        x_RxC = x_RxC.reshape(-1)[:self.r * self.pieces * self.width]
-        x_RxC = x_RxC.reshape(self.r, self.pieces * self.width)[:, :self.c]
-        return x_RxC.reshape(self.shape).astype(self.dtype if dtype is None else dtype)
-
-
-def _layout(leaf, n, rows, pieces=None) -> _Layout:
-    """rows="independent": one row per vector of the last axis, each cut into the
-    `_pieces` that pad least (or `pieces`); "flat": the leaf as one row cut into
-    n pieces."""
-    size = int(np.prod(leaf.shape, dtype=np.int64))
-    c = kernels.last_row(leaf) if rows == "independent" else max(size, 1)
-    r = size // c
-    if pieces is None:
-        pieces = _pieces(r, c, n) if rows == "independent" else n
-    return _Layout(leaf.shape, leaf.dtype, r, c, pieces, -(-c // pieces),
-                   -(-r * pieces // n) * n)
-
-
-def _pieces(r: int, c: int, n: int) -> int:
-    """How many pieces to cut each of r rows of c elements into, so that the rows
-    divide over n devices with the fewest padded elements (ceil(r s / n) n rows
-    of ceil(c / s)); the fewest pieces among those. 1 (no cut) where n divides
-    r, as before; for one row (a flat gradient buffer) n pieces where n divides
-    c, not n - 1 zero rows that the fast hops would carry in full. s stops at
-    n, where every row divides, padded by fewer than n elements: more pieces
-    could save a few of those (an odd c) but cut rows shorter than the codec's
-    blocks sooner."""
-    padded = lambda s: -(-r * s // n) * n * -(-c // s)
-    return min(range(1, n + 1), key=lambda s: (padded(s), s))
-
-
-def _as_rows(leaf, n, rows):
-    """Whole rows, the row count padded with zero rows to a multiple of n (rows
-    are not cut): the layout outer.py's `_piece` shares out, inverted by
-    `_from_rows`."""
-    return _layout(leaf, n, rows, pieces=1 if rows == "independent" else n).cut(leaf)
-
-
-def _from_rows(x_RxC, shape, dtype):
-    """Inverse of `_as_rows`: its padding is all at the end."""
-    size = int(np.prod(shape, dtype=np.int64))
-    return x_RxC.reshape(-1)[:size].reshape(shape).astype(dtype)
 
 
 def _split(codec, bwd_codec, axes):
@@ -425,7 +354,7 @@ def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
     pieces, layouts = [], []
     for leaf, res in zip(leaves, res_leaves):
         corrected = lax.stop_gradient(kernels.vary(leaf + res.astype(leaf.dtype), axes))
-        layouts.append((_layout(corrected, n_raw, rows), res.dtype))
+        layouts.append((rowlayout.layout(corrected, n_raw, rows), res.dtype))
         rows_RxC = layouts[-1][0].cut(corrected)  # as psum's: few rows are cut
         pieces.append(lax.psum_scatter(rows_RxC, raw, scatter_dimension=0, tiled=True)
                       if raw else rows_RxC)

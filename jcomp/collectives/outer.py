@@ -51,7 +51,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import hops, kernels
+from jcomp.collectives import hops, kernels, rowlayout
 from jcomp.collectives.jitspecs import axes_in
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
 
@@ -209,7 +209,7 @@ def _average(delta_IxX, residual_IxX, specs, mesh, axis, codec, rows, key, bucke
 def _piece(x, rep, rows):
     """This device's share of `x` among the devices of `rep`, which hold equal copies."""
     n = lax.axis_size(rep)
-    x_RxC = hops._as_rows(x, n, rows)
+    x_RxC = rowlayout.whole_rows(x, n, rows)
     x_NxRxC = x_RxC.reshape(n, -1, x_RxC.shape[-1])
     return lax.dynamic_index_in_dim(x_NxRxC, lax.axis_index(rep), 0, keepdims=False)
 
@@ -217,7 +217,7 @@ def _piece(x, rep, rows):
 def _whole(piece_RxC, rep, shape, dtype):
     """The pieces of `rep`'s devices put back together (a raw gather over fast axes)."""
     full = lax.all_gather(piece_RxC, rep, axis=0, tiled=True, to="invarying")
-    return hops._from_rows(full, shape, dtype)
+    return rowlayout.from_whole_rows(full, shape, dtype)
 
 
 def _check_tx(tx):
