@@ -3,31 +3,19 @@
 import warnings
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp import collectives as cc
+from tests.collectives import tp_mlp
 
 
 @pytest.fixture(scope="module")
 def setup():
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    rng = np.random.default_rng(0)
-    specs = {"w": P(None, "model"), "v": P("model", None)}
-    shapes = {"w": (64, 512), "v": (512, 64)}
-    with jax.set_mesh(mesh):
-        params = {k: jax.device_put(rng.standard_normal(shapes[k]).astype(np.float32),
-                                    NamedSharding(mesh, specs[k])) for k in specs}
-        x = jax.device_put(rng.standard_normal((32, 64)).astype(np.float32),
-                           NamedSharding(mesh, P("data")))
-    return mesh, params, x, specs
+    return tp_mlp.make()
 
 
-def _loss(p, b):
-    return jnp.mean((jnp.tanh(b @ p["w"]) @ p["v"]) ** 2)
+_loss = tp_mlp.loss
 
 
 def _trace(mesh, params, x, **kw):

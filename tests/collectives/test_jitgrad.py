@@ -339,18 +339,11 @@ def test_a_codec_that_draws_runs_with_a_tensor_axis():
     codes each device's shards as an argument (closed over, it lived on the outer
     map's mesh and JAX refused it: "Mesh for all inputs should be equal"); the
     gradients within int8's error of the plain ones, typed and raw keys alike."""
-    from jax.sharding import AxisType
+    from tests.collectives import tp_mlp
 
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    rng = np.random.default_rng(0)
-    specs = {"w": P(None, "model"), "v": P("model", None)}
-    shapes = {"w": (64, 512), "v": (512, 64)}
+    mesh, params, x, specs = tp_mlp.make()
+    loss = tp_mlp.loss
     with jax.set_mesh(mesh):
-        params = {k: jax.device_put(rng.standard_normal(shapes[k]).astype(np.float32),
-                                    NamedSharding(mesh, specs[k])) for k in specs}
-        x = jax.device_put(rng.standard_normal((32, 64)).astype(np.float32),
-                           NamedSharding(mesh, P("data")))
-        loss = lambda p, b: jnp.mean((jnp.tanh(b @ p["w"]) @ p["v"]) ** 2)
         plain = jax.jit(jax.value_and_grad(loss))(params, x)[1]
         fn = jax.jit(cc.value_and_grad(loss, mesh=mesh, param_specs=specs, codec="int8:sr",
                                        mean_over="examples", check_bytes=False))

@@ -539,19 +539,12 @@ def test_a_coded_op_in_a_map_leaving_an_axis_automatic_says_it_sends_more():
     program. The op names the axis (ExtraBytesWarning); with codec "none" (lax's
     own op) or a map manual over every axis it is quiet."""
     import warnings
-    from jax.sharding import AxisType
 
-    m = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    rng = np.random.default_rng(0)
+    from tests.collectives import tp_mlp
+
+    m, params, x, specs = tp_mlp.make()
+    loss = tp_mlp.loss
     with jax.set_mesh(m):
-        params = {"w": jax.device_put(rng.standard_normal((64, 512)).astype(np.float32),
-                                      NamedSharding(m, P(None, "model"))),
-                  "v": jax.device_put(rng.standard_normal((512, 64)).astype(np.float32),
-                                      NamedSharding(m, P("model", None)))}
-        x = jax.device_put(rng.standard_normal((32, 64)).astype(np.float32),
-                           NamedSharding(m, P("data")))
-        loss = lambda p, b: jnp.mean((jnp.tanh(b @ p["w"]) @ p["v"]) ** 2)
-
         def hand_made(codec):
             def local(p, b):
                 return cc.pmean(jax.grad(loss)(cc.vary(p, "data"), b), "data", codec=codec)
@@ -571,7 +564,6 @@ def test_a_coded_op_in_a_map_leaving_an_axis_automatic_says_it_sends_more():
         plain = wire.measure(jax.jit(jax.grad(loss)), params, x, mesh=m)
         assert ours.by_mesh_axis()["model"] > 2 * plain.by_mesh_axis()["model"]
         assert warned(hand_made("none"))[0] == []
-        specs = {"w": P(None, "model"), "v": P("model", None)}
         full = jax.jit(jax.shard_map(
             lambda p, b: cc.pmean(jax.grad(loss)(cc.vary(p, "data"), b), "data", codec="int8"),
             mesh=m, in_specs=(specs, P("data")), out_specs=specs))
