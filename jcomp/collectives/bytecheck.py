@@ -62,9 +62,7 @@ def _sig(s):
 def _abstract(tree, specs, mesh):
     leaves, treedef = jax.tree.flatten(tree)
     return treedef.unflatten([
-        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
-                             sharding=NamedSharding(mesh, P(*s.partitions if hasattr(
-                                 s, "partitions") else s)))
+        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=NamedSharding(mesh, s))
         for x, s in zip(leaves, specs)])
 
 
@@ -103,7 +101,7 @@ def _leaves_named(added, params, specs, mesh):
 def _views(shape, spec, mesh):
     """The leaf's shape whole, and per device under each subset of its spec's axes
     (all of them, and each axis alone)."""
-    parts = list(getattr(spec, "partitions", spec)) + [None] * (len(shape) - len(spec))
+    parts = list(spec) + [None] * (len(shape) - len(spec))
     names = [() if p is None else p if isinstance(p, tuple) else (p,) for p in parts]
     axes = {a for n in names for a in n}
     out = [tuple(shape)]

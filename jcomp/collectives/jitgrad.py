@@ -213,8 +213,8 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
 def _explicit(mesh, data_axes) -> bool:
     """True where every batch axis is Explicit (the unreduced route), False where
     every one is Auto (the per-rank map); a mix is refused."""
-    kinds = {a: mesh._name_to_type[a] for a in data_axes}
-    explicit = [a for a, t in kinds.items() if t == AxisType.Explicit]
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+    explicit = [a for a in data_axes if kinds[a] == AxisType.Explicit]
     if explicit and len(explicit) != len(data_axes):
         raise ValueError(f"data_axes {data_axes}: {explicit} are Explicit mesh axes and the "
                          "others are not; make the batch axes all Explicit or all Auto")

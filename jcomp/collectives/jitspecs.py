@@ -125,15 +125,6 @@ def nnx_spec(var, rules):
     return P(*(table[n] if isinstance(n, str) and n in table else n for n in names))
 
 
-def carries_specs(params) -> bool:
-    """Whether any parameter says its partitioning: a flax box, or an NNX Variable
-    with partition names. Where none does, `leaf_specs(params, None, ...)` takes
-    every leaf as replicated, which on a mesh with tensor-parallel axes is a guess."""
-    nodes = jax.tree.leaves(params, is_leaf=lambda x: is_box(x) or is_nnx_variable(x))
-    return any(is_box(x) or (is_nnx_variable(x) and nnx_names(x) is not None)
-               for x in nodes)
-
-
 def leaf_specs(params, param_specs, rules):
     """One mesh PartitionSpec per array leaf of `params`, in `jax.tree.leaves`
     order (boxes and NNX Variables flattened to their one array).
