@@ -16,7 +16,9 @@ How. A `shard_map` manual over the batch axes only (`data_axes`) runs
 the model's tensor parallelism is XLA's as written. Parameters split over a
 batch axis (FSDP) are all-gathered at the start with `param_codec` and their
 gradients reduce-scattered back with `codec`; the rest are all-reduced with
-`codec`. Both run in a second `shard_map` nested in the first, manual over the
+`codec` (with "none", the fully replicated leaves leave the map per rank and
+XLA sums them, so it lays the sums out as in the plain program). Both run in a
+second `shard_map` nested in the first, manual over the
 parameters' own axes, so no leaf is gathered over an automatic axis; leaves of
 one dtype and layout share flat buckets on block boundaries (`rows="flat"`),
 so one collective carries many leaves and no leaf's scale is set by another.
@@ -179,6 +181,15 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
         b_spec = (jax.tree.map(lambda _: P(data_spec), batch) if batch_spec is None
                   else batch_spec)
 
+        # "none" leaves the replicated leaves' sums to XLA, outside the map (each
+        # rank's gradient out along a new leading axis, summed there): XLA lays the
+        # sum out as the plain program does, e.g. each tensor rank reducing half of
+        # a LayerNorm scale its consumer wants split. Inside the map each would be
+        # all-reduced whole: more bytes over data than the plain step.
+        raw = isinstance(codec, str) and kernels.parse(codec).kind == "identity"
+        to_xla = [raw and not jitspecs.axes_in(o) for o in outs]
+        ours = [i for i, x in enumerate(to_xla) if not x]
+
         def local(shards, batch, k):
             k = None if key is None else k
             gk, rk = (None, None) if k is None else jax.random.split(k)
@@ -187,18 +198,24 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
             p_var = treedef.unflatten(ops.vary(full, data_axes))  # no automatic psum
             (loss, aux_v), grads = _accumulate(value_of, p_var, batch, microbatches,
                                                data_axes, mean_over, aux_rules)
-            grads = _nested(rest, specs, outs, lambda gs, kk: reduce(
-                gs, outs, data_axes, codec, kk, rows, bucket), jax.tree.leaves(grads), rk)
+            grads = [g[None] if x else g for g, x in zip(jax.tree.leaves(grads), to_xla)]
+            mine = [outs[i] for i in ours]
+            reduced = _nested(rest, [specs[i] for i in ours], mine, lambda gs, kk: reduce(
+                gs, mine, data_axes, codec, kk, rows, bucket), [grads[i] for i in ours], rk)
+            for i, g in zip(ours, reduced):
+                grads[i] = g
             return ((loss, aux_v) if has_aux else loss), grads
 
         k = jnp.zeros((), jnp.uint32) if key is None else key
         outer = jax.shard_map(
             local, mesh=mesh,
             in_specs=([jitspecs.only(s, data_axes) for s in specs], b_spec, P()),
-            out_specs=(P(), [jitspecs.only(o, data_axes) for o in outs]),
+            out_specs=(P(), [P(data_spec) if x else jitspecs.only(o, data_axes)
+                             for o, x in zip(outs, to_xla)]),
             axis_names=frozenset(data_axes))
         with batch_constraints(data_axes, specs):
             value, grads = outer(leaves, batch, k)
+        grads = [g.sum(0) if x else g for g, x in zip(grads, to_xla)]
         return value, treedef.unflatten(grads)
 
     def shardings_of(params, batch):

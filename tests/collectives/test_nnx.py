@@ -16,13 +16,13 @@ Bounds, measured here (8 emulated CPU devices, mesh data 4 x tensor 2):
   int8, +1.9% int4:rot, -1.1% "none": the ranks draw other dropout masks than
   the plain step, so "none" differs by the draw alone).
 - Bytes per device and step (compiled programs): plain data 38022, tensor
-  64256; int8 data 10062 (0.26x), int4:rot 5310 (0.14x), tensor 64768 (+0.8%,
-  the gathers of updated replicated vectors) for every codec; "none" data
-  38790 (+2.0%): the plain program reduces the replicated vectors' gradients
-  (LayerNorm scales and biases, unannotated biases) split over "tensor", one
-  half per device, and returns those parameters split so (its output moves
-  them to P('tensor')), where jcomp keeps each parameter's own spec, P(), and
-  reduces them whole. The "none" check allows exactly those leaves' halves.
+  64256; "none" the same on both axes at the first step; int8 data 10062
+  (0.26x), int4:rot 5310 (0.14x). The tensor axis is 64768 (+0.8%) for every
+  codec at the first step and for "none" from the second on: the plain program
+  returns the replicated vectors (LayerNorm scales, biases) split over
+  "tensor", each half reduced by one tensor rank, and jcomp's updated vectors
+  are gathered once more. Before "none" left the replicated leaves' sums to
+  XLA, jcomp reduced those vectors whole inside its map: data 38790 (+2.0%).
 """
 import jax
 import jax.numpy as jnp
@@ -205,8 +205,9 @@ def test_dropout_masks_differ_between_ranks_in_value_and_grad(mesh):
 @pytest.mark.slow
 def test_none_gives_the_plain_gradients_with_the_parameters_shardings(mesh):
     """Dropout off, codec "none": the gradient line's loss and gradients are the
-    plain line's (module bounds), the gradients an NNX State of Params with the
-    parameters' own shardings (8 of them split over "tensor", not replicated)."""
+    plain line's (module bounds), the gradients an NNX State of Params, the 8
+    split over "tensor" with their parameters' shardings (not replicated), the
+    replicated ones laid out as the plain line's."""
     model, _ = ns.init(mesh, dropout=0.0, lr=LR)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     batch = next(ns.batches(mesh, 1))
@@ -220,15 +221,19 @@ def test_none_gives_the_plain_gradients_with_the_parameters_shardings(mesh):
     assert jax.tree.structure(g_o) == jax.tree.structure(params)
     split = 0
     for a, b, w in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_o), jax.tree.leaves(params)):
-        assert b.sharding.is_equivalent_to(w.sharding, w.ndim)
-        split += "tensor" in jitspecs.axes_in(b.sharding.spec)
+        named = "tensor" in jitspecs.axes_in(w.sharding.spec)
+        # A parameter's named split is kept; a replicated one's sum XLA lays out
+        # as in the plain program (split over "tensor" for a vector it returns).
+        want = w.sharding if named else a.sharding
+        assert b.sharding.is_equivalent_to(want, w.ndim), (b.sharding, want)
+        split += named
         assert _rel_err(a, b) <= 1e-6
     assert split == 8
 
 
 @pytest.fixture(scope="module")
 def runs(mesh):
-    """codec -> (10 AdamW steps' losses, the step's wire report, the Params after);
+    """codec -> (10 AdamW steps' losses, the step's wire report);
     None: plain. Dropout 0.1, a key per step."""
     model, optimizer = ns.init(mesh, dropout=0.1, lr=LR)
     data = list(ns.batches(mesh, 10, seed=1))
@@ -244,7 +249,7 @@ def runs(mesh):
             for i, batch in enumerate(data):
                 m, o, loss, _ = step(m, o, batch, jax.random.fold_in(base, i))
                 losses.append(float(loss))  # waits on the step (emulated devices)
-        out[codec] = (losses, report, nnx.state(m, nnx.Param))
+        out[codec] = (losses, report)
     return model, out
 
 
@@ -263,8 +268,8 @@ def test_compressed_steps_train_as_plain_and_send_less(runs, codec, data_share):
     above the plain step's bytes +1%, the data axis well below (int8: 0.26x,
     int4:rot: 0.14x), nothing sent raw."""
     _, out = runs
-    plain_losses, plain, _ = out[None]
-    losses, ours, _ = out[codec]
+    plain_losses, plain = out[None]
+    losses, ours = out[codec]
     _near(losses, plain_losses)
     p, o = bytes_over(plain), bytes_over(ours)
     assert set(o) <= set(p), (o, p)
@@ -275,24 +280,16 @@ def test_compressed_steps_train_as_plain_and_send_less(runs, codec, data_share):
 
 
 @pytest.mark.slow
-def test_none_trains_as_plain_and_sends_no_more_than_plain(runs, mesh):
-    """codec "none": losses as the plain step's; no axis above the plain step's
-    bytes +1%, the data axis allowed, besides, exactly what the plain program
-    saves by re-laying out replicated parameters: for each P() leaf the plain
-    step returns split over "tensor", the all-reduce over "data" of the half it
-    does not reduce (see the module doc)."""
-    model, out = runs
-    plain_losses, plain, plain_after = out[None]
-    losses, ours, _ = out["none"]
+def test_none_trains_as_plain_and_sends_no_more_than_plain(runs):
+    """codec "none": losses as the plain step's, the data axis no more bytes than
+    the plain step's (the replicated vectors' sums laid out by XLA, as in the
+    plain program) and no axis above the plain step's +1%."""
+    _, out = runs
+    plain_losses, plain = out[None]
+    losses, ours = out["none"]
     _near(losses, plain_losses)
-    params = nnx.state(model, nnx.Param)
-    specs = jitspecs.leaf_specs(params, None, None)
-    moved = [w.size for w, after, s in zip(jax.tree.leaves(params),
-                                            jax.tree.leaves(plain_after), specs)
-             if s == P() and not after.sharding.is_equivalent_to(w.sharding, w.ndim)]
-    n, t = mesh.shape["data"], mesh.shape["tensor"]
-    saved = 2 * (n - 1) / n * 4 * sum(moved) * (1 - 1 / t)  # ring all-reduce, float32
     p, o = bytes_over(plain), bytes_over(ours)
     assert set(o) <= set(p), (o, p)
-    assert o["tensor"] <= 1.01 * p["tensor"], (o, p)
-    assert o["data"] <= 1.01 * p["data"] + saved, (o, p, moved)
+    assert o["data"] <= p["data"], (o, p)
+    for axis in p:
+        assert o.get(axis, 0.0) <= 1.01 * p[axis], (axis, o, p)
