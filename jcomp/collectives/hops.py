@@ -62,7 +62,7 @@ def per_axis(codec, axes) -> dict | None:
     out = {}
     for a in axes:
         try:
-            out[a] = kernels.parse(codec.get(a, "none"))
+            out[a] = kernels.parse(codec.get(a, kernels.NONE))
         except ValueError as e:
             raise ValueError(f"codec[{a!r}]: {e}") from None
     return out
@@ -162,7 +162,7 @@ def _forward(spec, leaves, key, codecs):
                                      tiled=True) for p in part]
         for j, (codec, group) in enumerate(_runs([a for a in coded if a in live], codecs)):
             k = None if key is None else jax.random.fold_in(key, j)
-            part = ops.psum(part, group, codec=codec, bwd_codec="none", key=k, rows=rows,
+            part = ops.psum(part, group, codec=codec, bwd_codec=kernels.NONE, key=k, rows=rows,
                             bucket_bytes=bucket_bytes)
         if live_raw:
             part = [lax.all_gather(p, live_raw, axis=0, tiled=True, to="invarying")

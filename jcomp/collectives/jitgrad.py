@@ -134,19 +134,8 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
     if mean_over is not None:
         _check_mean_over(mean_over)
     aux_rules = None if explicit and aux is None else _aux_rules(aux, has_aux)
-    for name, c in (("codec", codec), ("param_codec", param_codec)):
-        for axis, one in (c.items() if isinstance(c, Mapping) else [(None, c)]):
-            where = name if axis is None else f"{name}[{axis!r}]"
-            if axis is not None and axis not in data_axes:
-                raise ValueError(f"{name} names the axis {axis!r}, not one of data_axes "
-                                 f"{data_axes} (axes not named travel raw)")
-            try:
-                kind = kernels.parse(one).kind
-            except ValueError as e:
-                raise ValueError(f"{where}: {e}") from None
-            if kind not in ("identity", "dense", "sparse"):
-                raise ValueError(f"{where} {one!r}: value_and_grad takes a byte codec (none, "
-                                 "bf16, fp16, fp8, int8/int4/int2, topk, randk)")
+    codec, param_codec = (_read(name, c, data_axes) for name, c in
+                          (("codec", codec), ("param_codec", param_codec)))
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int; got {microbatches!r}")
     kernels.check_rows(rows)
@@ -156,7 +145,7 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
             raise ValueError("microbatches: value_and_grad accumulates microbatches on meshes "
                              "of Auto batch axes only; with Explicit ones, accumulate the "
                              "unreduced gradients in your step (see docs/collectives.md)")
-        if param_codec != "none":
+        if _coded(param_codec):
             raise ValueError("param_codec: on Explicit batch axes the program gathers the "
                              "parameters split over them itself, as written; leave it 'none'")
         fn = unreduced.value_and_grad(loss_fn, mesh, data_axes, has_aux, codec, scatter,
@@ -186,8 +175,7 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
         # sum out as the plain program does, e.g. each tensor rank reducing half of
         # a LayerNorm scale its consumer wants split. Inside the map each would be
         # all-reduced whole: more bytes over data than the plain step.
-        raw = isinstance(codec, str) and kernels.parse(codec).kind == "identity"
-        to_xla = [raw and not jitspecs.axes_in(o) for o in outs]
+        to_xla = [not _coded(codec) and not jitspecs.axes_in(o) for o in outs]
         ours = [i for i, x in enumerate(to_xla) if not x]
 
         def local(shards, batch, k):
@@ -225,6 +213,31 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
         return jitspecs.check(mesh, data_axes, params, param_specs, rules), per_leaf
 
     return bytecheck.checked(fn, loss_fn, has_aux, mesh, shardings_of) if check_bytes else fn
+
+
+def _read(name, codec, data_axes):
+    """`codec` (a spec, a codec, or {batch axis: either}) read once, at the door:
+    everything below takes codec objects."""
+    out = {}
+    for axis, one in (codec.items() if isinstance(codec, Mapping) else [(None, codec)]):
+        where = name if axis is None else f"{name}[{axis!r}]"
+        if axis is not None and axis not in data_axes:
+            raise ValueError(f"{name} names the axis {axis!r}, not one of data_axes "
+                             f"{data_axes} (axes not named travel raw)")
+        try:
+            out[axis] = kernels.parse(one)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if out[axis].kind not in ("identity", "dense", "sparse"):
+            raise ValueError(f"{where} {one!r}: value_and_grad takes a byte codec (none, "
+                             "bf16, fp16, fp8, int8/int4/int2, topk, randk)")
+    return out if isinstance(codec, Mapping) else out[None]
+
+
+def _coded(codec) -> bool:
+    """Whether a read codec (or any of a dict's) codes anything."""
+    return any(c.kind != "identity" for c in (codec.values() if isinstance(codec, Mapping)
+                                                else [codec]))
 
 
 def _explicit(mesh, data_axes) -> bool:
@@ -368,7 +381,7 @@ def gather_params(shards, *, mesh, param_specs=None, rules=None, data_axes="data
     the decoded ones."""
     data_axes = kernels.axes_of(data_axes)
     _check_mesh(mesh, data_axes)
-    kernels.parse(codec)
+    codec = _read("codec", codec, data_axes)
     bucket = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     specs = jitspecs.check(mesh, data_axes, shards, param_specs, rules)
     leaves, treedef = jax.tree.flatten(shards)

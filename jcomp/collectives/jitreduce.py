@@ -34,12 +34,12 @@ def _codec_over(codec, axes):
     different codecs is one collective and cannot mix them)."""
     if not isinstance(codec, Mapping):
         return codec
-    named = {str(kernels.parse(codec.get(a, "none"))) for a in axes}
+    named = {str(c): c for c in (kernels.parse(codec.get(a, kernels.NONE)) for a in axes)}
     if len(named) > 1:
         raise ValueError(f"codec {dict(codec)}: parameters split over {axes} together are "
                          "gathered and reduce-scattered in one collective over those axes, "
                          "so give them one codec")
-    return named.pop()
+    return named.popitem()[1]
 
 
 def _in_f32(send, codec, pad=False):

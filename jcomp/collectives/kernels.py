@@ -70,6 +70,9 @@ def axes_of(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
+NONE = _codecs.parse("none")  # what an axis a codec dict does not name sends
+
+
 def parse(codec):
     """A codec these collectives can send with; the others are refused loudly
     rather than replaced by an uncompressed collective."""

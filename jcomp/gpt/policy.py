@@ -30,6 +30,7 @@ setting measured so far meets it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 from jcomp import codecs
@@ -53,6 +54,7 @@ MESSAGES = (("data", "grad"), ("data", "param"), ("tensor", "grad"), ("tensor", 
 # The slow hop's entries (see the module docstring); unset, each is its data entry.
 HOP_AXIS = "dcn"
 HOP_MESSAGES = ((HOP_AXIS, "grad"), (HOP_AXIS, "param"))
+NONE = codecs.parse("none")  # what an entry sends where it does not compress
 PLACES = {("tensor", "act"): "layers", ("tensor", "act_grad"): "layers",
           ("pipeline", "act"): "stages", ("pipeline", "act_grad"): "stages"}
 
@@ -128,8 +130,8 @@ class Policy:
 
     def codec_at(self, axis, kind, *, layer=None, stage=None):
         """The codec (axis, kind) sends at this layer or stage: its own where it
-        compresses, "none" elsewhere."""
-        return self[axis, kind] if self.compresses(axis, kind, layer=layer, stage=stage) else "none"
+        compresses, "none" (NONE) elsewhere."""
+        return self[axis, kind] if self.compresses(axis, kind, layer=layer, stage=stage) else NONE
 
     def restrict(self, places: Mapping[str, Any]) -> "Policy":
         """Compress some entries only at the given layers or stages, keyed "axis.kind":
@@ -262,11 +264,12 @@ def _freeze(entries) -> tuple:
 
 
 def uniform(spec, error_feedback: bool = False) -> Policy:
-    c, none = codecs.parse(spec), codecs.parse("none")
-    return Policy(_freeze({(a, k): c if (a, k) in MESSAGES else none
+    c = codecs.parse(spec)
+    return Policy(_freeze({(a, k): c if (a, k) in MESSAGES else NONE
                            for a in AXES for k in KINDS}), error_feedback)
 
 
+@functools.lru_cache(maxsize=None)  # a Policy is immutable: each preset is read once
 def preset(name: str) -> Policy:
     """One of PRESETS; ValueError otherwise."""
     if name == "baseline":
