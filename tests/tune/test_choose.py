@@ -1,0 +1,243 @@
+"""jcomp.tune.choose: the codec of least predicted time per (axis, kind), within
+the allowed ladder; predictions checked against the formula written out here."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jcomp import collectives as cc
+from jcomp import tune
+from jcomp.meter import wire
+from jcomp.meter.scope import message_scope
+from jcomp.tune import CodecCost, Link, Profile, Traffic
+
+# Bytes per float32 byte on rows of 4096 elements, counted by hand: int8 and
+# int4 code blocks of 256 elements (16 per row), each with a float32 scale.
+RATIO = {"none": 1.0, "bf16": 0.5, "int8": (4096 + 16 * 4) / 16384,
+         "int4:rot": (2048 + 16 * 4) / 16384, "int2": (1024 + 16 * 4) / 16384}
+COST = {"bf16": (1e-12, 2e-12), "int8": (2e-12, 2e-12), "int4:rot": (4e-12, 3e-12),
+        "int2": (3e-12, 3e-12)}
+FAST, SLOW = Link(1e-5, 1e12), Link(1e-4, 1e8)
+
+
+def _profile(**links):
+    return Profile(links=links, codecs={c: CodecCost(*v) for c, v in COST.items()}, device="made up")
+
+
+def _expected(link, codec, raw, n, overlap=0.0, coded_n=2):
+    """Exposed link time + codec time, the model of the module doc, by hand."""
+    if codec == "none":
+        return (1 - overlap) * (n * link.latency_s + raw / link.bytes_per_s)
+    enc, dec = COST[codec]
+    return ((1 - overlap) * (coded_n * n * link.latency_s + RATIO[codec] * raw / link.bytes_per_s)
+            + (enc + dec) * raw)
+
+
+def test_a_fast_link_sends_raw_and_a_slow_one_the_most_compressed_allowed():
+    d = tune.choose(_profile(ici=FAST, dcn=SLOW),
+                    {("ici", "grad"): (64e6, 1), ("dcn", "grad"): (64e6, 1),
+                     ("dcn", "act"): (8e6, 10)})
+    assert d.codec("ici", "grad") == "none"
+    assert d.codec("dcn", "grad") == tune.DEFAULT_LADDERS["grad"][-1] == "int4:rot"
+    assert d.codec("dcn", "act") == tune.DEFAULT_LADDERS["act"][-1] == "int8"
+    assert d.codec_dict("grad") == {"ici": "none", "dcn": "int4:rot"}
+    assert d.codec_dict("grad", axes="dcn") == {"dcn": "int4:rot"}
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.5, 0.9])
+def test_predicted_times_are_the_formula(overlap):
+    raw, n = 32e6, 3
+    d = tune.choose(_profile(dcn=SLOW), {("dcn", "grad"): (raw, n)}, overlap=overlap)
+    (choice,) = d.choices
+    weighed = dict(choice.candidates)
+    assert list(weighed) == ["none", "bf16", "int8", "int4:rot"]
+    for codec, seconds in weighed.items():
+        assert seconds == pytest.approx(_expected(SLOW, codec, raw, n, overlap), rel=1e-12), codec
+    best = min(weighed, key=weighed.get)
+    assert choice.codec == best
+    assert choice.seconds == pytest.approx(_expected(SLOW, best, raw, n, overlap), rel=1e-12)
+    assert d.raw_seconds == pytest.approx(_expected(SLOW, "none", raw, n, overlap), rel=1e-12)
+    assert d.seconds == pytest.approx(choice.seconds) and d.overlap == overlap
+    assert choice.coded_bytes == pytest.approx(RATIO[best] * raw)
+
+
+def test_ops_other_than_all_reduce_code_in_one_collective():
+    link = Link(1e-3, 1e9)
+    t = Traffic(raw_bytes=4e6, collectives=5, op="all-gather")
+    d = tune.choose(_profile(data=link), {("data", "param"): t})
+    for codec, seconds in d.choices[0].candidates:
+        assert seconds == pytest.approx(_expected(link, codec, 4e6, 5, coded_n=1), rel=1e-12)
+
+
+def test_when_the_link_is_hidden_behind_compute_raw_wins():
+    d = tune.choose(_profile(dcn=SLOW), {("dcn", "grad"): (64e6, 1)}, overlap=1.0)
+    assert d.codec("dcn", "grad") == "none" and d.seconds == 0.0
+
+
+def test_many_small_collectives_stay_raw_where_coding_doubles_their_latency():
+    # 1 kB each on a high-latency link: bytes are nothing, latency everything.
+    link = Link(1e-2, 1e8)
+    d = tune.choose(_profile(tensor=link), {("tensor", "act"): (1e3 * 500, 500)})
+    assert d.codec("tensor", "act") == "none"
+
+
+@pytest.mark.parametrize("budget, expect", [
+    ({"grad": "int8"}, "int8"), ({"grad": "bf16"}, "bf16"), ({"grad": "none"}, "none"),
+    ({"grad": " INT8 "}, "int8"), ({"act": "none"}, "int4:rot"),
+])
+def test_the_budget_caps_the_codec_of_its_kind(budget, expect):
+    d = tune.choose(_profile(dcn=SLOW), {("dcn", "grad"): (64e6, 1)}, budget=budget)
+    assert d.codec("dcn", "grad") == expect
+    capped = tune.ladders(budget=budget)
+    assert capped["grad"][-1] == expect
+
+
+def test_a_wider_ladder_allows_what_the_defaults_leave_out():
+    d = tune.choose(_profile(dcn=SLOW), {("dcn", "grad"): (64e6, 1)},
+                    ladder={"grad": ("none", "int8", "int4:rot", "int2")})
+    assert d.codec("dcn", "grad") == "int2"
+    one = tune.choose(_profile(dcn=SLOW), {("dcn", "act"): (64e6, 1)}, ladder=("none", "int8"))
+    assert one.codec("dcn", "act") == "int8"
+
+
+@pytest.mark.parametrize("budget, named", [
+    ({"gradient": "int8"}, "budget: unknown kind 'gradient'"),
+    ({"grad": "int2"}, r"budget\['grad'\]: 'int2' is not on the ladder"),
+    ({"grad": "int3"}, r"budget\['grad'\]"),
+    ({"grad": "powersgd:rank=2"}, r"budget\['grad'\]"),
+])
+def test_a_bad_budget_is_named(budget, named):
+    with pytest.raises(ValueError, match=named):
+        tune.choose(_profile(dcn=SLOW), {("dcn", "grad"): (1e6, 1)}, budget=budget)
+
+
+@pytest.mark.parametrize("ladder, named", [
+    ({"grad": ("int8", "int4:rot")}, r"ladder\['grad'\] must start at 'none'"),
+    ({"grad": ("none", "int4:rot", "int8")}, "'int8' sends more bytes than 'int4:rot'"),
+    ({"grad": ("none", "int8", "INT8")}, "'int8' twice"),
+    ({"grad": ("none", "int9")}, r"ladder\['grad'\]\[1\]"),
+    (("none", "topk:2"), r"ladder\[1\]"),
+])
+def test_a_bad_ladder_is_named(ladder, named):
+    with pytest.raises(ValueError, match=named):
+        tune.choose(_profile(dcn=SLOW), {("dcn", "grad"): (1e6, 1)}, ladder=ladder)
+
+
+def test_bad_messages_and_overlap_are_named():
+    prof = _profile(dcn=SLOW)
+    with pytest.raises(ValueError, match="overlap"):
+        tune.choose(prof, {("dcn", "grad"): (1e6, 1)}, overlap=1.5)
+    with pytest.raises(ValueError, match="overlap"):
+        tune.choose(prof, {("dcn", "grad"): (1e6, 1)}, overlap=math.nan)
+    with pytest.raises(ValueError, match=r"Traffic.raw_bytes.*nan"):
+        tune.choose(prof, {("dcn", "grad"): (math.nan, 1)})
+    with pytest.raises(ValueError, match="no ladder for kind 'logits'"):
+        tune.choose(prof, {("dcn", "logits"): (1e6, 1)})
+    with pytest.raises(ValueError, match="no link for mesh axis 'tensor'"):
+        tune.choose(prof, {("tensor", "grad"): (1e6, 1)})
+    with pytest.raises(ValueError, match="(axis, kind)"):
+        tune.choose(prof, {"dcn": (1e6, 1)})
+    missing = Profile(links={"dcn": SLOW}, codecs={"int8": CodecCost(1e-12, 1e-12)}, device="d")
+    with pytest.raises(ValueError, match="no cost for codec 'bf16'"):
+        tune.choose(missing, {("dcn", "grad"): (1e6, 1)})
+    with pytest.raises(ValueError, match="Traffic.dtype"):
+        Traffic(1e6, 1, dtype="int32")
+
+
+def test_a_codec_that_saves_no_bytes_is_never_chosen():
+    # bf16 on bfloat16 data sends what raw sends; however slow the link, and at
+    # no codec cost, it is not a candidate.
+    free = Profile(links={"dcn": SLOW}, codecs={"bf16": CodecCost(0.0, 0.0)}, device="d")
+    t = Traffic(64e6, 1, dtype="bfloat16")
+    d = tune.choose(free, {("dcn", "grad"): t}, ladder=("none", "bf16"))
+    assert d.codec("dcn", "grad") == "none"
+    assert [c for c, _ in d.choices[0].candidates] == ["none"]
+
+
+def test_never_predicted_slower_than_raw():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        link = Link(float(10 ** rng.uniform(-6, -2)), float(10 ** rng.uniform(7, 12)))
+        costs = {c: CodecCost(float(10 ** rng.uniform(-13, -9)), float(10 ** rng.uniform(-13, -9)))
+                 for c in COST}
+        prof = Profile(links={"x": link}, codecs=costs, device="d")
+        msgs = {("x", k): (float(10 ** rng.uniform(3, 9)), float(rng.integers(1, 200)))
+                for k in ("grad", "act")}
+        d = tune.choose(prof, msgs, overlap=float(rng.uniform(0, 1)))
+        for c in d.choices:
+            assert c.seconds <= c.raw_seconds
+            assert c.seconds == min(s for _, s in c.candidates)
+        assert d.seconds <= d.raw_seconds
+
+
+def test_the_table_names_every_choice_and_the_totals():
+    d = tune.choose(_profile(ici=FAST, dcn=SLOW),
+                    {("ici", "grad"): (64e6, 1), ("dcn", "grad"): (64e6, 1)})
+    text = d.table()
+    assert "ici" in text and "dcn" in text and "int4:rot" in text and "none" in text
+    assert f"{d.seconds * 1e3:.4g} ms predicted" in text
+    assert f"{d.raw_seconds * 1e3:.4g} ms raw" in text
+    with pytest.raises(ValueError, match="'act'"):
+        d.codec_dict("act")
+
+
+def _mesh():
+    return jax.make_mesh((4, 2), ("dcn", "ici"), axis_types=(AxisType.Explicit,) * 2)
+
+
+def test_codec_dict_is_what_cc_psum_takes():
+    """The decision's dict codes the slow axis in a real cc.psum and leaves the fast
+    one raw: the compiled program sends int4 bytes over dcn only."""
+    mesh = _mesh()
+    d = tune.choose(_profile(ici=FAST, dcn=SLOW),
+                    {("ici", "grad"): (64e6, 1), ("dcn", "grad"): (64e6, 1)})
+    codec = d.codec_dict("grad")
+    every = P(mesh.axis_names)
+    f = jax.jit(jax.shard_map(lambda a: cc.psum(a[0], ("dcn", "ici"), codec=codec)[None],
+                              mesh=mesh, in_specs=every, out_specs=every))
+    x_np = np.random.default_rng(0).standard_normal((8, 16, 4096)).astype(np.float32)
+    x = jax.device_put(x_np, NamedSharding(mesh, every))
+    got = np.asarray(f(x))
+    exact = x_np.sum(0)
+    assert np.max(np.abs(got[0] - exact)) / np.max(np.abs(exact)) < 0.2  # int4's error
+    assert np.max(np.abs(got[0] - exact)) > 0  # and it was coded
+    raw = wire.measure(jax.jit(jax.shard_map(
+        lambda a: jax.lax.psum(a[0], ("dcn", "ici"))[None], mesh=mesh, in_specs=every,
+        out_specs=every)), x, mesh=mesh).by_mesh_axis()
+    coded = wire.measure(f, x, mesh=mesh).by_mesh_axis()
+    assert coded["dcn"] < 0.25 * raw["dcn"]
+
+
+def test_messages_from_a_wire_report_give_bytes_and_collectives_per_axis_and_kind():
+    mesh = _mesh()
+    every = P(mesh.axis_names)
+    rows, cols = 8, 1024
+
+    def step(a):
+        with message_scope("grad_reduce"):
+            g = jax.lax.psum(a[0], "dcn")
+        with message_scope("block_exit"):
+            h = jax.lax.psum(g, "ici")
+            h = jax.lax.psum(h * 2, "ici")
+        return (h + jax.lax.psum(jnp.sum(a), ("dcn", "ici")))[None]  # outside any message
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=every, out_specs=every))
+    x = jax.device_put(np.ones((8, rows, cols), np.float32), NamedSharding(mesh, every))
+    report = wire.measure(f, x, mesh=mesh)
+    msgs = tune.messages_from(report, {"grad_reduce": "grad", "block_exit": "act"})
+    buf = rows * cols * 4
+    assert set(msgs) == {("dcn", "grad"), ("ici", "act")}
+    # An all-reduce over n devices moves 2(n-1)/n of its buffer per device.
+    assert msgs["dcn", "grad"].raw_bytes == pytest.approx(2 * 3 / 4 * buf)
+    assert msgs["dcn", "grad"].collectives == 1
+    assert msgs["ici", "act"].raw_bytes == pytest.approx(2 * 2 * 1 / 2 * buf)
+    assert msgs["ici", "act"].collectives == 2
+    assert msgs["ici", "act"].op == "all-reduce" and msgs["ici", "act"].dtype == "float32"
+    by_name = tune.messages_from(report)
+    assert set(by_name) == {("dcn", "grad_reduce"), ("ici", "block_exit")}
+    with pytest.raises(ValueError, match="block_exit"):
+        tune.messages_from(report, {"grad_reduce": "grad"})

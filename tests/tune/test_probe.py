@@ -1,0 +1,80 @@
+"""jcomp.tune.probe on the emulated 8-device CPU mesh: links per axis, codec costs."""
+import math
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+from jcomp import tune
+
+
+def _mesh(shape, names, kind=AxisType.Explicit):
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+
+
+def test_probe_gives_finite_positive_figures_for_each_axis_and_codec(tmp_path):
+    mesh = _mesh((4, 2), ("data", "tensor"))
+    codecs = ("none", "bf16", "int8", "int4:rot")
+    t0 = time.perf_counter()
+    prof = tune.probe(mesh, codecs=codecs)
+    took = time.perf_counter() - t0
+    assert took < 30, f"probe took {took:.1f} s"  # about 2 s on an idle 2-core machine
+    assert set(prof.links) == {"data", "tensor"}
+    for axis, link in prof.links.items():
+        assert math.isfinite(link.latency_s) and link.latency_s >= 0, axis
+        assert math.isfinite(link.bytes_per_s) and link.bytes_per_s > 0, axis
+        assert f"n={mesh.shape[axis]}" in link.comment
+    assert set(prof.codecs) == {"bf16", "int8", "int4:rot"}  # "none" costs nothing
+    for name, cost in prof.codecs.items():
+        for v in (cost.encode_s_per_byte, cost.decode_s_per_byte):
+            assert math.isfinite(v) and v > 0, name
+    assert "cpu" in prof.device and "data=4" in prof.device
+    path = tmp_path / "probed.json"
+    tune.save(prof, path)
+    assert tune.load(path) == prof
+    # What it measured plans: every axis and kind gets a codec.
+    d = tune.choose(prof, {("data", "grad"): (1e6, 1), ("tensor", "act"): (1e5, 4)})
+    assert {(c.axis, c.kind) for c in d.choices} == {("data", "grad"), ("tensor", "act")}
+
+
+def test_axes_of_size_one_are_not_probed_and_auto_meshes_work():
+    mesh = _mesh((8, 1), ("data", "tensor"), AxisType.Auto)
+    prof = tune.probe(mesh, codecs=("int8",), sizes=(1 << 14, 1 << 21), codec_bytes=1 << 16,
+                      repeats=3)
+    assert set(prof.links) == {"data"} and set(prof.codecs) == {"int8"}
+
+
+def test_fit_link_recovers_a_line_and_keeps_both_figures_non_negative():
+    w = np.array([1e3, 1e5, 1e6, 4e6])
+    a, b = tune.fit_link(w, 2e-4 + w / 5e8)
+    assert a == pytest.approx(2e-4, rel=1e-9) and b == pytest.approx(1 / 5e8, rel=1e-9)
+    # A negative intercept is no latency: the fit goes through the origin.
+    a, b = tune.fit_link(w, -1e-4 + w / 1e9)
+    assert a == 0.0 and b == pytest.approx(float(w @ (-1e-4 + w / 1e9)) / float(w @ w))
+    # Time falling with bytes gives no bandwidth (b = 0), the probe's error case.
+    a, b = tune.fit_link(w, np.array([4e-3, 3e-3, 2e-3, 1e-3]))
+    assert b == 0.0 and a == pytest.approx(2.5e-3)
+    with pytest.raises(ValueError, match="non-finite"):
+        tune.fit_link(w, np.array([1e-3, np.nan, 2e-3, 3e-3]))
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(sizes=(1 << 16, 1 << 16)), "sizes"),
+    (dict(sizes=(1 << 16, 1001)), "sizes"),
+    (dict(codecs=("powersgd:rank=2",)), r"codecs\[0\]"),
+    (dict(codecs=("int8", "int3")), r"codecs\[1\]"),
+    (dict(repeats=0), "repeats"),
+    (dict(codec_bytes=2), "codec_bytes"),
+])
+def test_bad_arguments_are_named(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        tune.probe(_mesh((4, 2), ("data", "tensor")), **kwargs)
+
+
+def test_a_mesh_is_required():
+    with pytest.raises(TypeError, match="mesh"):
+        tune.probe(jax.devices())
+    with pytest.raises(TypeError, match="codecs"):
+        tune.probe(_mesh((4, 2), ("data", "tensor")), codecs="int8")
