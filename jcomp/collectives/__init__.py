@@ -20,7 +20,7 @@ no block, scale, rotation or top-k selection spans two of them, and an output
 row depends only on the input rows lax's op would combine into it. "flat": a
 leaf is one flat vector, for gradient and parameter buffers only; leaves share
 flat buckets, but every leaf starts on a block boundary and fills whole
-blocks, so no leaf's scale is set by another (`kernels.flat_group`). The
+blocks, so no leaf's scale is set by another (`arguments.flat_group`). The
 README ("Using the collectives") tables what each op sends, forward and back;
 docs/collectives.md is the full reference.
 """

@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jcomp.collectives.kernels import last_row
+from jcomp.collectives.arguments import last_row
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 

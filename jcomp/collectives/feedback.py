@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jcomp.collectives import kernels
+from jcomp.collectives import arguments, kernels
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES, RowView, bucketed
 
 
@@ -31,11 +31,11 @@ def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
 def psum_scatter_ef(x, residual, axis_name, *, scatter_dimension=0, tiled=False, codec,
                     key=None, rows="independent", bucket_bytes=DEFAULT_BUCKET_BYTES):
     """Error-feedback reduce-scatter (ZeRO gradients). -> (shard of the sum, new residual)."""
-    kernels.dims_of(x, scatter_dimension, "scatter_dimension", "psum_scatter_ef")
-    n = lax.axis_size(kernels.axes_of(axis_name))
+    arguments.dims_of(x, scatter_dimension, "scatter_dimension", "psum_scatter_ef")
+    n = lax.axis_size(arguments.axes_of(axis_name))
 
     def pieces(leaf):
-        return kernels.rows_along(leaf, n, scatter_dimension % leaf.ndim, tiled, "psum_scatter_ef")
+        return arguments.rows_along(leaf, n, scatter_dimension % leaf.ndim, tiled, "psum_scatter_ef")
 
     def send(buf, axes, c, k, row):
         return kernels.reduce_scatter(buf, axes, c, k, op="psum_scatter_ef", row=row)
@@ -45,10 +45,10 @@ def psum_scatter_ef(x, residual, axis_name, *, scatter_dimension=0, tiled=False,
         pieces_N = pieces(leaf)
         sent_N = sent.reshape(pieces_N.shape)
         return (total.reshape(pieces_N.shape[1:]).astype(leaf.dtype),
-                kernels.stack_along(sent_N, scatter_dimension % leaf.ndim, tiled))
+                arguments.stack_along(sent_N, scatter_dimension % leaf.ndim, tiled))
 
     view = RowView(lambda leaf: pieces(leaf).reshape(n, -1), done,
-                   lambda leaf: kernels.split_row(leaf, scatter_dimension % leaf.ndim, n, tiled))
+                   lambda leaf: arguments.split_row(leaf, scatter_dimension % leaf.ndim, n, tiled))
     return _ef("psum_scatter_ef", x, residual, axis_name, codec, key, rows, bucket_bytes, view,
                send, exact=lambda leaf: lax.psum_scatter(
                    leaf, axis_name, scatter_dimension=scatter_dimension % leaf.ndim, tiled=tiled))
@@ -73,26 +73,26 @@ def _ef(op, x, residual, axis_name, codec, key, rows, bucket_bytes, view, send, 
     op's result rows, what this device's rows were sent as); `view` lays leaves
     out and reads back (result, sent) per leaf. A lossless codec or a size-1
     axis runs `exact` (the lax op) on x + residual and returns zero residuals."""
-    kernels.check_rows(rows)
-    c = kernels.parse(codec)
-    axes = kernels.axes_of(axis_name)
+    arguments.check_rows(rows)
+    c = arguments.parse(codec)
+    axes = arguments.axes_of(axis_name)
     _check_residual(op, x, residual)
     if c.kind != "identity":
-        kernels.check_floating(x, str(c))
+        arguments.check_floating(x, str(c))
     if c.kind == "identity" or lax.axis_size(axes) == 1:
         total = jax.tree.map(lambda a, r: exact(a + r), x, residual)
         return total, jax.tree.map(jnp.zeros_like, residual)
-    kernels.check_key(key, c)
+    arguments.check_key(key, c)
     leaves, treedef = jax.tree.flatten(x)
     res_leaves = treedef.flatten_up_to(residual)
-    corrected = [lax.stop_gradient(kernels.vary(leaf + res.astype(leaf.dtype), axes))
+    corrected = [lax.stop_gradient(arguments.vary(leaf + res.astype(leaf.dtype), axes))
                  for leaf, res in zip(leaves, res_leaves)]
     def group(leaf):
-        return leaf, (axes,) + kernels.row_key(rows, leaf, view, (c,))
+        return leaf, (axes,) + arguments.row_key(rows, leaf, view, (c,))
 
     def send_bucket(buf, group, k):
         live, row = group
-        return send(buf, live, c, kernels.device_key(k, live, c), row)
+        return send(buf, live, c, arguments.device_key(k, live, c), row)
 
     got = bucketed(corrected, group, view, send_bucket, key, bucket_bytes)
     outs = [t for t, _ in got]

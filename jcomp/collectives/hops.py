@@ -43,7 +43,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
-from jcomp.collectives import cpu, kernels, ops, rowlayout
+from jcomp.collectives import arguments, cpu, ops, rowlayout
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
 from jcomp.collectives.feedback import _check_residual as check_residual
 
@@ -62,7 +62,7 @@ def per_axis(codec, axes) -> dict | None:
     out = {}
     for a in axes:
         try:
-            out[a] = kernels.parse(codec.get(a, kernels.NONE))
+            out[a] = arguments.parse(codec.get(a, arguments.NONE))
         except ValueError as e:
             raise ValueError(f"codec[{a!r}]: {e}") from None
     return out
@@ -72,23 +72,23 @@ def psum(x, axis_name, *, codec="none", bwd_codec=None, key=None, rows="independ
          bucket_bytes=DEFAULT_BUCKET_BYTES, axis_index_groups=None):
     """`jax.lax.psum` with a codec per axis (a dict) or one for all (a string, as
     `ops.psum`). See the module doc for the dict form."""
-    axes = kernels.axes_of(axis_name)
+    axes = arguments.axes_of(axis_name)
     fwd = per_axis(codec, axes)
     if fwd is None and not isinstance(bwd_codec, Mapping):
         return ops.psum(x, axis_name, codec=codec, bwd_codec=bwd_codec, key=key, rows=rows,
                         bucket_bytes=bucket_bytes, axis_index_groups=axis_index_groups)
-    fwd = fwd or {a: kernels.parse(codec) for a in axes}
+    fwd = fwd or {a: arguments.parse(codec) for a in axes}
     bwd = per_axis(bwd_codec, axes) if bwd_codec is not None else fwd
     if bwd is None:
-        bwd = {a: kernels.parse(bwd_codec) for a in axes}
-    kernels.check_rows(rows)
+        bwd = {a: arguments.parse(bwd_codec) for a in axes}
+    arguments.check_rows(rows)
     if all(c.kind == "identity" for c in (*fwd.values(), *bwd.values())):
         return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
     if axis_index_groups is not None:
         raise ValueError("axis_index_groups is not supported with a codec per axis")
-    kernels.check_floating(x, dict(codec) if isinstance(codec, Mapping) else codec)
+    arguments.check_floating(x, dict(codec) if isinstance(codec, Mapping) else codec)
     for c in (*fwd.values(), *bwd.values()):
-        kernels.check_key(key, c)
+        arguments.check_key(key, c)
     cpu.check_scheduler(f"psum over {axes} hop by hop")
     spec = _Spec(axes, tuple(fwd.items()), tuple(bwd.items()), rows, bucket_bytes,
                  ops._checked(axes))
@@ -101,7 +101,7 @@ def pmean(x, axis_name, **kw):
     if not isinstance(kw.get("codec", "none"), Mapping) and not isinstance(
             kw.get("bwd_codec"), Mapping):
         return ops.pmean(x, axis_name, **kw)
-    n = lax.axis_size(kernels.axes_of(axis_name))
+    n = lax.axis_size(arguments.axes_of(axis_name))
     return jax.tree.map(lambda v: v / n, psum(x, axis_name, **kw))
 
 
@@ -124,7 +124,7 @@ def _hier_fwd(spec, leaves, key):
 def _hier_bwd(spec, key, cts):
     axes, _, bwd, *_ , checked = spec
     if checked:  # the transpose of an all-reduce into an invariant value
-        return [kernels.vary(ct, axes) for ct in cts], None
+        return [arguments.vary(ct, axes) for ct in cts], None
     k = None if key is None else jax.random.fold_in(key, 1)
     return _forward(spec, list(cts), k, bwd), None
 
@@ -158,11 +158,11 @@ def _forward(spec, leaves, key, codecs):
         part = [ready[i] for i in idx]
         live_raw = tuple(a for a in raw if a in live)
         if live_raw:  # n_raw divides the (piece) rows: whole rows or pieces per device
-            part = [lax.psum_scatter(kernels.vary(p, live_raw), live_raw, scatter_dimension=0,
+            part = [lax.psum_scatter(arguments.vary(p, live_raw), live_raw, scatter_dimension=0,
                                      tiled=True) for p in part]
         for j, (codec, group) in enumerate(_runs([a for a in coded if a in live], codecs)):
             k = None if key is None else jax.random.fold_in(key, j)
-            part = ops.psum(part, group, codec=codec, bwd_codec=kernels.NONE, key=k, rows=rows,
+            part = ops.psum(part, group, codec=codec, bwd_codec=arguments.NONE, key=k, rows=rows,
                             bucket_bytes=bucket_bytes)
         if live_raw:
             part = [lax.all_gather(p, live_raw, axis=0, tiled=True, to="invarying")
@@ -190,9 +190,9 @@ def _split(codec, bwd_codec, axes):
     fwd = per_axis(codec, axes)
     if fwd is None and not isinstance(bwd_codec, Mapping):
         return None
-    fwd = fwd or {a: kernels.parse(codec) for a in axes}
+    fwd = fwd or {a: arguments.parse(codec) for a in axes}
     bwd = (fwd if bwd_codec is None else per_axis(bwd_codec, axes)
-           or {a: kernels.parse(bwd_codec) for a in axes})
+           or {a: arguments.parse(bwd_codec) for a in axes})
     raw = tuple(a for a in axes if fwd[a].kind == "identity" and bwd[a].kind == "identity")
     runs = []
     for a in axes:
@@ -222,7 +222,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
     over the raw axes first, then the coded reduce-scatter over the coded axes on
     what is left, each device ending with lax's block. A single codec is
     `ops.psum_scatter`."""
-    axes = kernels.axes_of(axis_name)
+    axes = arguments.axes_of(axis_name)
     plan = _split(codec, bwd_codec, axes)
     if plan is None:
         return ops.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
@@ -235,7 +235,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
                                 axis_index_groups=axis_index_groups, tiled=tiled)
     if axis_index_groups is not None:
         raise ValueError("axis_index_groups is not supported with a codec per axis")
-    kernels.dims_of(x, scatter_dimension, "scatter_dimension", "psum_scatter")
+    arguments.dims_of(x, scatter_dimension, "scatter_dimension", "psum_scatter")
     cpu.check_scheduler(f"psum_scatter over {axes} hop by hop")
     order = list(raw) + [a for _, _, g in runs for a in g]
 
@@ -254,7 +254,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
         if raw:
             n_raw = lax.axis_size(raw)
             f = f.reshape(lead + (n_raw,) + f.shape[at + len(raw):])
-            f = lax.psum_scatter(kernels.vary(f, raw), raw, scatter_dimension=at, tiled=True)
+            f = lax.psum_scatter(arguments.vary(f, raw), raw, scatter_dimension=at, tiled=True)
             f = f.reshape(lead + f.shape[at + 1:])
         for j, (fc, bc, group) in enumerate(runs):
             kk = None if k is None else jax.random.fold_in(k, j)
@@ -278,7 +278,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     on the small piece, then lax's gather over the raw axes, the blocks laid out
     as lax's. Its backward is the per-hop reduce-scatter (bwd_codec). A single
     codec is `ops.all_gather`."""
-    axes = kernels.axes_of(axis_name)
+    axes = arguments.axes_of(axis_name)
     plan = _split(codec, bwd_codec, axes)
     if plan is None:
         return ops.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
@@ -293,7 +293,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
     if to not in ("varying", "invarying"):
         raise ValueError(f"all_gather: to={to!r} is not supported with compression; "
                          "allowed: 'varying', 'invarying'")
-    kernels.dims_of(x, axis, "axis", "all_gather", 0 if tiled else 1)
+    arguments.dims_of(x, axis, "axis", "all_gather", 0 if tiled else 1)
     cpu.check_scheduler(f"all_gather over {axes} hop by hop")
 
     def one(leaf, k):
@@ -318,7 +318,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
         g = g.reshape(tuple(sizes) + leaf.shape)
         g = jnp.moveaxis(g, [names.index(a) for a in axes], list(range(len(axes))))
         g = g.reshape((int(np.prod(sizes)),) + leaf.shape)
-        return kernels.stack_along(g, dim, tiled)
+        return arguments.stack_along(g, dim, tiled)
 
     leaves, treedef = jax.tree.flatten(x)
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(leaves))]
@@ -333,7 +333,7 @@ def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
     that piece lost, at the piece's place in a leaf of x's shape (zeros
     elsewhere), so the next step's reduce-scatter hands it back to this device.
     The coded axes must share one codec. Not differentiable."""
-    axes = kernels.axes_of(axis_name)
+    axes = arguments.axes_of(axis_name)
     plan = _split(codec, None, axes)
     if plan is None:
         return ops.psum_ef(x, residual, axis_name, codec=codec, key=key, rows=rows,
@@ -353,7 +353,7 @@ def psum_ef(x, residual, axis_name, *, codec, key=None, rows="independent",
     res_leaves = treedef.flatten_up_to(residual)
     pieces, layouts = [], []
     for leaf, res in zip(leaves, res_leaves):
-        corrected = lax.stop_gradient(kernels.vary(leaf + res.astype(leaf.dtype), axes))
+        corrected = lax.stop_gradient(arguments.vary(leaf + res.astype(leaf.dtype), axes))
         layouts.append((rowlayout.layout(corrected, n_raw, rows), res.dtype))
         rows_RxC = layouts[-1][0].cut(corrected)  # as psum's: few rows are cut
         pieces.append(lax.psum_scatter(rows_RxC, raw, scatter_dimension=0, tiled=True)

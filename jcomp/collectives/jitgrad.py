@@ -50,7 +50,7 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import bytecheck, jitspecs, kernels, ops, unreduced
+from jcomp.collectives import arguments, bytecheck, jitspecs, ops, unreduced
 from jcomp.collectives.constraints import batch_constraints
 from jcomp.collectives.jitreduce import gather, reduce
 from jcomp.collectives.jitspecs import scatter_specs  # noqa: F401  (public)
@@ -124,7 +124,7 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
     global view (`unreduced`): `mean_over`, `aux`, `param_specs` and
     `batch_spec` are not needed there (the parameters' and the batch's types
     carry their shardings; given, param_specs must agree with them)."""
-    data_axes = kernels.axes_of(data_axes)
+    data_axes = arguments.axes_of(data_axes)
     _check_mesh(mesh, data_axes)
     explicit = _explicit(mesh, data_axes)
     if mean_over is None and not explicit:
@@ -138,7 +138,7 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
                           (("codec", codec), ("param_codec", param_codec)))
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int; got {microbatches!r}")
-    kernels.check_rows(rows)
+    arguments.check_rows(rows)
     bucket = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     if explicit:
         if microbatches != 1:
@@ -225,7 +225,7 @@ def _read(name, codec, data_axes):
             raise ValueError(f"{name} names the axis {axis!r}, not one of data_axes "
                              f"{data_axes} (axes not named travel raw)")
         try:
-            out[axis] = kernels.parse(one)
+            out[axis] = arguments.parse(one)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
         if out[axis].kind not in ("identity", "dense", "sparse"):
@@ -303,7 +303,7 @@ def _accumulate(value_of, params, batch, k, axes, mean_over, aux_rules):
         f32 = lambda tree: jax.tree.map(lambda v: v.astype(jnp.float32), tree)
         first = jax.tree.map(lambda x: x[0], micro)
         shapes = jax.eval_shape(lambda: f32(grad_of(params, first, scale_K[0])[1]))
-        zeros = jax.tree.map(lambda s: kernels.vary(jnp.zeros(s.shape, s.dtype), axes), shapes)
+        zeros = jax.tree.map(lambda s: arguments.vary(jnp.zeros(s.shape, s.dtype), axes), shapes)
 
         def body(acc, xs):
             mb, s = xs
@@ -379,7 +379,7 @@ def gather_params(shards, *, mesh, param_specs=None, rules=None, data_axes="data
     `param_specs`, gathered over the data axes they do not use, with `codec`.
     Keep the shards as the master copy: a lossy codec's gathered parameters are
     the decoded ones."""
-    data_axes = kernels.axes_of(data_axes)
+    data_axes = arguments.axes_of(data_axes)
     _check_mesh(mesh, data_axes)
     codec = _read("codec", codec, data_axes)
     bucket = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jcomp.collectives import hops, jitspecs, kernels, ops
+from jcomp.collectives import arguments, hops, jitspecs, ops
 
 
 def groups(plans):
@@ -34,7 +34,7 @@ def _codec_over(codec, axes):
     different codecs is one collective and cannot mix them)."""
     if not isinstance(codec, Mapping):
         return codec
-    named = {str(c): c for c in (kernels.parse(codec.get(a, kernels.NONE)) for a in axes)}
+    named = {str(c): c for c in (arguments.parse(codec.get(a, arguments.NONE)) for a in axes)}
     if len(named) > 1:
         raise ValueError(f"codec {dict(codec)}: parameters split over {axes} together are "
                          "gathered and reduce-scattered in one collective over those axes, "
@@ -53,7 +53,7 @@ def _in_f32(send, codec, pad=False):
     leaf as it is."""
     if isinstance(codec, Mapping):  # per hop: hops.psum lays the leaves out itself
         return send
-    c = kernels.parse(codec)
+    c = arguments.parse(codec)
     if c.kind == "identity":
         return send
     g = c.row_multiple if c.kind == "dense" and pad else 1

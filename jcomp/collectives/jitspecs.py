@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import kernels
+from jcomp.collectives import arguments
 
 
 def is_box(x) -> bool:
@@ -238,7 +238,7 @@ def scatter_specs(params, param_specs, mesh, data_axes=("data",), rules=None):
     not split and that their size divides; a leaf with no such dimension keeps
     its spec (all-reduced over those axes). Boxed parameters give a tree of
     specs with the boxes' structure."""
-    data_axes = kernels.axes_of(data_axes)
+    data_axes = arguments.axes_of(data_axes)
     specs = check(mesh, data_axes, params, param_specs, rules)
     out = [scatter_spec(s, jnp.shape(leaf), data_axes, mesh.shape)
            for leaf, s in zip(jax.tree.leaves(params), specs)]

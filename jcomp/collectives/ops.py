@@ -12,10 +12,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jcomp.collectives import kernels
+from jcomp.collectives import arguments, kernels
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES, RowView, bucketed
+from jcomp.collectives.arguments import RawSendWarning, vary as _vary
 from jcomp.collectives.feedback import psum_ef, psum_scatter_ef
-from jcomp.collectives.kernels import RAW_SCOPE, RawSendWarning, vary as _vary
+from jcomp.meter.scope import RAW_SCOPE
 from jcomp.meter.compare import ExtraBytesWarning
 
 __all__ = [
@@ -28,9 +29,9 @@ REMAT_NAMES = {op: f"jcomp_{op}" for op in
                ("psum", "psum_scatter", "all_gather", "ppermute", "all_to_all")}
 
 
-_axes = kernels.axes_of
-parse, check_key, device_key = kernels.parse, kernels.check_key, kernels.device_key
-ROWS, last_row, split_row = kernels.ROWS, kernels.last_row, kernels.split_row
+_axes = arguments.axes_of
+parse, check_key, device_key = arguments.parse, arguments.check_key, arguments.device_key
+ROWS, last_row, split_row = arguments.ROWS, arguments.last_row, arguments.split_row
 
 
 def vary(x, axes):
@@ -62,13 +63,13 @@ def _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups=None):
     "none" (the lax call itself, bit for bit, on any pytree and dtype; leaves
     are never bucketed there, since a sum over a concatenated buffer need not
     round as the lax op does), or an axis of size 1."""
-    kernels.check_rows(rows)
+    arguments.check_rows(rows)
     fwd = parse(codec)
     bwd = fwd if bwd_codec is None else parse(bwd_codec)
     axes = _axes(axis_name)
     if fwd.kind == "identity" and bwd.kind == "identity":
         return None
-    kernels.check_floating(x, str(fwd if fwd.kind != "identity" else bwd))
+    arguments.check_floating(x, str(fwd if fwd.kind != "identity" else bwd))
     if axis_index_groups is not None:
         raise ValueError(
             f"axis_index_groups is not supported with codec {str(fwd)!r}; "
@@ -205,7 +206,7 @@ def _tree(op, x, ready, view, coded, key, bucket_bytes, *, prepare=None, **sent)
     buckets, each by the custom_vjp op `coded` with Sent(live axes, ready's
     codecs, row, **sent). `row` is view.row_of(leaf) with rows="independent"
     (leaves share a bucket only with leaves of their row length) and with
-    rows="flat" what `kernels.flat_group` gives (one block, so that leaves share
+    rows="flat" what `arguments.flat_group` gives (one block, so that leaves share
     no block; the leaf's length; or None for a cast). prepare(leaf) -> (leaf,
     the axes it still has to travel over); by default the leaf marked varying
     over all of them. The results are named for remat."""
@@ -216,7 +217,7 @@ def _tree(op, x, ready, view, coded, key, bucket_bytes, *, prepare=None, **sent)
         leaf, live = prepare(leaf)
         if not live:
             return leaf, None
-        return leaf, (live,) + kernels.row_key(ready.rows, leaf, view, (ready.fwd, ready.bwd))
+        return leaf, (live,) + arguments.row_key(ready.rows, leaf, view, (ready.fwd, ready.bwd))
 
     def send(buf, group, k):
         live, row = group
@@ -253,7 +254,7 @@ def psum(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, 
 def pmean(x, axis_name, *, axis_index_groups=None, codec="none", bwd_codec=None, key=None,
           rows="independent", bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.pmean`: `psum` divided by the number of devices over `axis_name`."""
-    kernels.check_rows(rows)
+    arguments.check_rows(rows)
     if parse(codec).kind == "identity" and parse(
             codec if bwd_codec is None else bwd_codec).kind == "identity":
         return lax.pmean(x, axis_name, axis_index_groups=axis_index_groups)
@@ -277,7 +278,7 @@ def copy_to_parallel(x, axis_name, *, bwd_codec="none", key=None, rows="independ
     gradient of a replicated input is a sum over the axis; this sends it with
     `bwd_codec` instead of the full-precision psum JAX would otherwise insert.
     """
-    kernels.check_rows(rows)
+    arguments.check_rows(rows)
     bwd = parse(bwd_codec)
     axes = _axes(axis_name)
 
@@ -302,7 +303,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
     """`jax.lax.psum_scatter` as all_to_all of coded chunks + float32 sum.
     Backward: compressed all_gather with `bwd_codec`. A negative
     `scatter_dimension` counts from the end."""
-    kernels.dims_of(x, scatter_dimension, "scatter_dimension", "psum_scatter")
+    arguments.dims_of(x, scatter_dimension, "scatter_dimension", "psum_scatter")
     ready = _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups)
     if ready is None:
         return _lax_per_leaf(
@@ -316,7 +317,7 @@ def psum_scatter(x, axis_name, *, scatter_dimension=0, axis_index_groups=None, t
 
     def to_rows(leaf):
         dim = scatter_dimension % leaf.ndim
-        return kernels.rows_along(leaf, n, dim, tiled, "psum_scatter").reshape(n, -1)
+        return arguments.rows_along(leaf, n, dim, tiled, "psum_scatter").reshape(n, -1)
 
     def from_rows(out_1xC, leaf):
         dim = scatter_dimension % leaf.ndim
@@ -336,7 +337,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
                bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.all_gather` that sends the codec's payload. Backward: a compressed
     reduce-scatter with `bwd_codec` (to="varying") or a local slice (to="invarying")."""
-    kernels.dims_of(x, axis, "axis", "all_gather", 0 if tiled else 1)
+    arguments.dims_of(x, axis, "axis", "all_gather", 0 if tiled else 1)
     ready = _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups)
     if ready is None:
         return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
@@ -348,7 +349,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, to=
 
     def from_rows(out_GxC, leaf):
         dim = axis % (leaf.ndim + (0 if tiled else 1))
-        return kernels.stack_along(out_GxC.reshape((n,) + leaf.shape), dim, tiled)
+        return arguments.stack_along(out_GxC.reshape((n,) + leaf.shape), dim, tiled)
 
     return _tree("all_gather", x, ready, RowView(_flat, from_rows), _GATHER, key, bucket_bytes,
                  to=to)
@@ -370,8 +371,8 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
                bucket_bytes=DEFAULT_BUCKET_BYTES):
     """`jax.lax.all_to_all` of the payload. Backward: the reverse all_to_all, `bwd_codec`.
     Negative axes count from the end."""
-    kernels.dims_of(x, split_axis, "split_axis", "all_to_all")
-    kernels.dims_of(x, concat_axis, "concat_axis", "all_to_all")
+    arguments.dims_of(x, split_axis, "split_axis", "all_to_all")
+    arguments.dims_of(x, concat_axis, "concat_axis", "all_to_all")
     ready = _prepare(x, axis_name, codec, bwd_codec, key, rows, axis_index_groups)
     if ready is None:
         return _lax_per_leaf(
@@ -384,11 +385,11 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, axis_index_groups=None,
     n = lax.axis_size(ready.axes)
 
     def chunks(leaf):
-        return kernels.rows_along(leaf, n, split_axis % leaf.ndim, tiled, "all_to_all")
+        return arguments.rows_along(leaf, n, split_axis % leaf.ndim, tiled, "all_to_all")
 
     def from_rows(out_GxC, leaf):
         rows_N = out_GxC.reshape(chunks(leaf).shape)
-        return kernels.stack_along(rows_N, concat_axis % leaf.ndim, tiled)
+        return arguments.stack_along(rows_N, concat_axis % leaf.ndim, tiled)
 
     def row_of(leaf):
         return split_row(leaf, split_axis % leaf.ndim, n, tiled)

@@ -51,7 +51,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import hops, kernels, rowlayout
+from jcomp.collectives import arguments, hops, rowlayout
 from jcomp.collectives.jitspecs import axes_in
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
 
@@ -120,7 +120,7 @@ def outer_sync(params_IxX, state: OuterState, *, tx, mesh, axis: str, codec="non
     _check_tx(tx)
     _check_args(params_IxX, state, mesh, axis)
     specs = _check_specs(param_specs, params_IxX, "params_IxX", 1, mesh, axis)
-    kernels.check_rows(rows)
+    arguments.check_rows(rows)
     delta_IxX = jax.tree.map(lambda a, p: a[None].astype(p.dtype) - p, state.anchor, params_IxX)
     mean, residual = _average(delta_IxX, state.residual, specs, mesh, axis, codec, rows, key,
                               bucket_bytes)

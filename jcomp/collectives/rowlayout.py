@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from jcomp.collectives import kernels
+from jcomp.collectives import arguments
 
 __all__ = ["Layout", "layout", "pieces_for", "whole_rows", "from_whole_rows"]
 
@@ -54,7 +54,7 @@ def layout(leaf, n, rows, pieces=None) -> Layout:
     `pieces_for` that pad least (or `pieces`); "flat": the leaf as one row cut into
     n pieces."""
     size = int(np.prod(leaf.shape, dtype=np.int64))
-    c = kernels.last_row(leaf) if rows == "independent" else max(size, 1)
+    c = arguments.last_row(leaf) if rows == "independent" else max(size, 1)
     r = size // c
     if pieces is None:
         pieces = pieces_for(r, c, n) if rows == "independent" else n

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jcomp.collectives import kernels
+from jcomp.collectives import arguments
 from jcomp.tune.profile import CodecCost, Link, Profile, codec_name
 
 DEFAULT_CODECS = ("bf16", "int8", "int4:rot")
@@ -119,7 +119,7 @@ def _probe_axis(mesh, axis: str, sizes, repeats: int) -> Link:
 
 
 def _probe_codec(spec: str, nbytes: int, repeats: int, device) -> CodecCost:
-    codec = kernels.parse(spec)
+    codec = arguments.parse(spec)
     rows = max(nbytes // (4 * CODEC_ROW), 1)
     shape = (rows, CODEC_ROW)
     key = jax.random.key(0) if codec.needs_key else None

@@ -24,7 +24,7 @@ import json
 import math
 from typing import Any, Mapping
 
-from jcomp.collectives import kernels
+from jcomp.collectives import arguments
 
 def _number(value, where: str, *, positive: bool) -> float:
     allowed = "a finite number > 0" if positive else "a finite number >= 0"
@@ -46,7 +46,7 @@ def codec_name(spec, where: str = "codec") -> str:
     "int4:rot"); ValueError naming `where` for anything else (PowerSGD and the
     autoencoder do not travel through a collective's codec)."""
     try:
-        return str(kernels.parse(spec))
+        return str(arguments.parse(spec))
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: {e}") from None
 

@@ -21,7 +21,7 @@ from typing import Mapping
 import jax.numpy as jnp
 
 from jcomp import codecs as _codecs
-from jcomp.collectives import kernels
+from jcomp.collectives import arguments
 
 # Collectives a coded message needs per raw one. A coded all-reduce is an
 # all_to_all of coded chunks and an all_gather of the coded sums (kernels'
@@ -66,7 +66,7 @@ class Traffic:
     def coded_bytes(self, codec) -> float:
         """Bytes per device per step with `codec`: raw bytes times the codec's byte
         ratio on one row (a ratio, so that padding and scales count as sent)."""
-        c = kernels.parse(codec)
+        c = arguments.parse(codec)
         if c.kind == "identity":
             return float(self.raw_bytes)
         fitted = _codecs.fit_row(c, self.row)
@@ -74,7 +74,7 @@ class Traffic:
         return self.raw_bytes * fitted.wire_bytes((1, self.row), self.dtype) / (self.row * itemsize)
 
     def coded_collectives(self, codec) -> float:
-        c = kernels.parse(codec)
+        c = arguments.parse(codec)
         return self.collectives * (1 if c.kind == "identity" else CODED_COLLECTIVES[self.op])
 
 

@@ -391,17 +391,17 @@ def test_zero_shards_fill_whole_blocks(grad, size):
     """Each ZeRO shard of a leaf is whole blocks of the gradient codec (and of the
     parameter codec), so in the flat buckets the reduce-scatter and the gather
     send, every leaf starts on a block boundary and no leaf's scale is set by
-    another (kernels.flat_group keys the shard by one block, or by its own
+    another (arguments.flat_group keys the shard by one block, or by its own
     length for top-k, never by a length that mixes leaves)."""
     from jcomp.codecs import parse
-    from jcomp.collectives import kernels
+    from jcomp.collectives import arguments
 
     policy = jpolicy.preset("hybrid").replace({"data.grad": grad, "data.param": "int8"})
     c = zero.shard_len(size, 4, _layout(policy).multiple)
     codecs = (parse(grad), parse("int8"))
     for codec in codecs:
         assert c % codec.row_multiple == 0
-    row = kernels.flat_group(c, (parse(grad),))[0]
+    row = arguments.flat_group(c, (parse(grad),))[0]
     assert row in ((c,) if parse(grad).kind == "sparse" else
                    (None,) if parse(grad).row_multiple == 1 else (parse(grad).row_multiple,))
 
