@@ -63,11 +63,16 @@ standard deviation of the final val_loss and the paired gap to the baseline
 of the same seed: its mean, standard deviation and 95% Student-t interval.
 
 Every suite also runs the baseline, the reference for gaps and byte ratios.
-A finished run (its metrics.jsonl has a record of the last step) is skipped;
-an unfinished one is rerun, and train.py resumes it from its checkpoint. Once
-a run finishes its checkpoints are deleted (--keep-checkpoints keeps them). The
-step count is part of each workdir's name, so runs of different lengths
-never mix.
+A finished run (its metrics.jsonl, or its entry in runs.jsonl, has a record of
+the last step) is skipped; an unfinished one is rerun, and train.py resumes it
+from its checkpoint. Once a run finishes its checkpoints are deleted
+(--keep-checkpoints keeps them). The step count is part of each workdir's
+name, so runs of different lengths never mix.
+
+`runs.jsonl` in --out (experiments/runlog.py) keeps, per run, its commit and
+the metrics the summary and plots are computed from: it is what git keeps of
+a study, the run folders are not committed. With --summarize-only it stands in
+for every run whose folder is absent.
 
 `summary.json` in --out covers every finished run found there, per run:
 final and best val_loss, the gap of the final val_loss to the baseline's in
@@ -94,6 +99,7 @@ import subprocess
 import sys
 import time
 
+from experiments import runlog
 from experiments import seeds as seeds_lib
 from jcomp.train import faults
 from jcomp.train import metrics as metrics_lib
@@ -107,7 +113,7 @@ ACT_SWEEP = ("int8", "int4", "int2")
 PSGD = "powersgd:rank=4"
 PLACES_CODEC = "int2"
 AE_DIM = 32  # a quarter of configs/base.py's d_model: int8's byte ratio, in float32
-COMMIT_FILE = "git_commit.txt"  # in each run's workdir: the commit that trained it
+COMMIT_FILE = runlog.COMMIT_FILE
 DEFAULT_OUT = os.path.join("experiments", "results", "convergence")
 QUICK = dict(config="configs/tiny.py", steps=4, eval_every=2, runs=("baseline", "hybrid"))
 
@@ -296,7 +302,12 @@ def is_finished(workdir: str, steps: int) -> bool:
     path = os.path.join(workdir, metrics_lib.METRICS_FILE)
     if not os.path.exists(path):
         return False
-    return any(r.get("step") == steps for r in metrics_lib.read_metrics(path))
+    return reached(metrics_lib.read_metrics(path), steps)
+
+
+def reached(records: list[dict], steps: int) -> bool:
+    """True when `records` hold a record of step `steps`."""
+    return any(r.get("step") == steps for r in records)
 
 
 def in_use(workdir: str) -> bool:
@@ -317,7 +328,7 @@ def in_use(workdir: str) -> bool:
 # scheduler": train.py now starts JAX with the option that stopped it; runs
 # from before it resumed this way).
 STUCK = "Termination timeout for"
-RESTARTS_FILE = "restarts.json"  # in a run's workdir: each restart after a stuck step
+RESTARTS_FILE = runlog.RESTARTS_FILE
 
 
 def run_one(spec, workdir, args, log, restarts: int = 1) -> float:
@@ -449,26 +460,28 @@ def _json_safe(x):
 
 
 def seeds_on_disk(out: str, steps: int) -> list[int]:
-    """The seeds of the runs of length `steps` that have a workdir in `out`."""
-    found = set()
+    """The seeds of the runs of length `steps` that have a workdir in `out`, or
+    an entry in its runs.jsonl."""
+    if not os.path.isdir(out):
+        return []
     pattern = re.compile(rf"-{steps}steps(?:-seed(\d+))?$")
-    for entry in os.listdir(out) if os.path.isdir(out) else ():
-        m = pattern.search(entry)
-        if m and os.path.isdir(os.path.join(out, entry)):
-            found.add(int(m.group(1) or 0))
-    return sorted(found)
+    names = {e for e in os.listdir(out) if os.path.isdir(os.path.join(out, e))}
+    found = {pattern.search(n) for n in names | set(runlog.gather(out))}
+    return sorted({int(m.group(1) or 0) for m in found if m})
 
 
 def collect(out: str, steps: int, args_of, seeds=(0,)) -> list[dict]:
     """Every finished known run of length `steps` in `out` at each of `seeds`,
     seed-major, baseline first within a seed; each compared with the baseline
     of its own seed."""
+    stored = runlog.gather(out) if os.path.isdir(out) else {}
     runs = []
     for seed in seeds:
         at_seed = []
         for spec in run_specs():
             workdir = os.path.join(out, workdir_name(spec, steps, seed))
-            if not is_finished(workdir, steps):
+            entry = stored.get(os.path.basename(workdir))
+            if entry is None or not reached(entry["records"], steps):
                 continue
             row = dict(name=spec["name"], seed=seed, suite=spec["suite"], group=spec["group"],
                        policy=spec["policy"], overrides=spec["overrides"],
@@ -476,14 +489,11 @@ def collect(out: str, steps: int, args_of, seeds=(0,)) -> list[dict]:
                        workdir=os.path.relpath(workdir, ROOT),
                        command="python train.py " + " ".join(args_of(spec, seed))
                        + f" --workdir={os.path.relpath(workdir, ROOT)}")
-            row.update(summarize(metrics_lib.read_metrics(workdir)))
-            commit_path = os.path.join(workdir, COMMIT_FILE)
+            row.update(summarize(entry["records"]))
             # Runs of a sweep may come from several commits; each keeps its own.
-            row["git_commit"] = (open(commit_path).read().strip() or None
-                                 if os.path.exists(commit_path) else None)
-            restarts_path = os.path.join(workdir, RESTARTS_FILE)
-            if os.path.exists(restarts_path):
-                row["restarts"] = json.load(open(restarts_path))
+            row["git_commit"] = entry["git_commit"]
+            if "restarts" in entry:
+                row["restarts"] = entry["restarts"]
             at_seed.append(row)
         if any(r["name"] == "baseline" for r in at_seed):
             add_comparisons(at_seed)
@@ -496,6 +506,7 @@ def draw_plots(out: str, runs: list[dict]) -> dict:
     drawn from the first seed's runs."""
     plots = {}
     runs = [r for r in runs if r["seed"] == runs[0]["seed"]] if runs else runs
+    stored = runlog.gather(out) if runs else {}
     by_name = {r["name"]: r for r in runs}
     for group, png in (("main", "main_loss.png"), ("sweep_grad", "sweep_grad_loss.png"),
                        ("sweep_act", "sweep_act_loss.png"), ("places", "places_loss.png")):
@@ -504,8 +515,9 @@ def draw_plots(out: str, runs: list[dict]) -> dict:
             continue  # the baseline alone is drawn beside each other group instead
         if group != "main" and "baseline" in by_name:
             names = ["baseline"] + names
-        paths = [os.path.join(ROOT, by_name[n]["workdir"], metrics_lib.METRICS_FILE) for n in names]
-        metrics_lib.plot(paths, os.path.join(out, png), key="loss")
+        entries = [stored[os.path.basename(by_name[n]["workdir"])] for n in names]
+        with runlog.metrics_files(entries) as paths:
+            metrics_lib.plot(paths, os.path.join(out, png), key="loss")
         plots[group] = png
     return plots
 
@@ -603,11 +615,12 @@ def main(argv=None) -> int:
         specs = select(args.suite, args.only)
         cfg = load_config(args.config)
         apply_sets(cfg, args.set)
+        out = os.path.abspath(args.out)
+        os.makedirs(out, exist_ok=True)
+        stored = runlog.gather(out)
     except ValueError as e:
         print(f"convergence.py: error: {e}", file=sys.stderr)
         return 2
-    out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
 
     def args_of(spec, seed=0):
         lr = [] if args.lr is None else [f"--config.optim.lr={args.lr!r}"]
@@ -618,7 +631,11 @@ def main(argv=None) -> int:
     for seed in [] if args.summarize_only else args.seeds:  # seed-major: whole seeds first
         for spec in specs:
             workdir = os.path.join(out, workdir_name(spec, args.steps, seed))
-            if is_finished(workdir, args.steps):
+            entry = stored.get(os.path.basename(workdir))
+            # A run whose folder is gone (a fresh clone) is finished by its runs.jsonl
+            # entry; the folder is read again for a run another process finished since.
+            done = entry is not None and reached(entry["records"], args.steps)
+            if done or is_finished(workdir, args.steps):
                 print(f"{os.path.basename(workdir)}: finished already, skipped", flush=True)
                 continue
             if in_use(workdir):
@@ -661,6 +678,8 @@ def main(argv=None) -> int:
                    settings=seeds_lib.settings(runs), runs=runs)
     with open(summary_path, "w") as f:
         json.dump(_json_safe(summary), f, indent=1, allow_nan=False)
+    if runs:
+        runlog.write(out)
     for r in runs:
         gap = "" if r.get("gap_pct") is None else f", gap {r['gap_pct']:+.2f}%"
         ratio = "" if r.get("byte_ratio") is None else f", bytes x{r['byte_ratio']:.3f}"

@@ -3,6 +3,7 @@ experiments/results/.
 
     python -m experiments.report [--results benchmarks/results experiments/results]
                                  [--out experiments/RESULTS.md]
+    python -m experiments.report --summarize experiments/results/convergence_seeds [...]
 
 Reads, where present, each from the first --results folder that has it:
 collectives.json (benchmarks/collectives.py), collectives_sizes.json
@@ -15,6 +16,11 @@ network_outer.json (--hops with the outer-loop policies),
 in experiments/results/; see report_network.py for those and gpu.json.
 Every number and every PASS/FAIL in the page is computed from those files;
 only the explanatory prose is fixed text.
+
+--summarize STUDY ... writes each study's runs.jsonl from its run folders
+(experiments/runlog.py) and nothing else: the file that stands in for the run
+folders, which git does not keep, when experiments/convergence.py
+--summarize-only rebuilds the study's summary.json and plots.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import subprocess
 import sys
 
 from experiments import report_network
+from experiments import runlog
 from experiments import seeds as seeds_lib
 from jcomp.train.metrics import human_bytes
 
@@ -636,12 +643,27 @@ def build(results, page_dir: str) -> str:
     return "\n".join(page)
 
 
+def summarize_studies(studies) -> int:
+    """--summarize: runs.jsonl for each study folder; 2 at the first that has no run."""
+    for study in studies:
+        try:
+            print(f"wrote {runlog.write(study)}")
+        except ValueError as e:
+            print(f"report.py: error: --summarize: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", nargs="+", default=list(RESULTS),
                    help="folders of results; a file is read from the first that has it")
     p.add_argument("--out", default=os.path.join(ROOT, "experiments", "RESULTS.md"))
+    p.add_argument("--summarize", nargs="+", metavar="STUDY",
+                   help="write each study folder's runs.jsonl from its run folders, and stop")
     args = p.parse_args(argv)
+    if args.summarize:
+        return summarize_studies(args.summarize)
     for folder in args.results:
         if not os.path.isdir(folder):
             print(f"report.py: error: --results {folder!r} is not a directory", file=sys.stderr)

@@ -12,9 +12,8 @@ import math
 import os
 import statistics
 
+from experiments import runlog
 from jcomp.train import metrics as metrics_lib
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GAP_TARGET_PCT = 1.0       # "reaches the baseline's loss": the gap's interval below +1%
 BYTES_TARGET = 1 / 6       # the project's goal for the hybrid preset's bytes per step
@@ -148,7 +147,7 @@ def _smoothed(xs, ys, window: int):
 
 
 def band_plot(groups, out_png: str, key: str = "loss") -> str:
-    """One line per (label, [metrics paths of its seeds]): the mean over seeds of
+    """One line per (label, [metrics records of each of its seeds]): the mean over seeds of
     each seed's running mean of `key` over SMOOTH_STEPS steps, with the band from
     the lowest to the highest seed shaded; val_`key` means as points."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -157,10 +156,9 @@ def band_plot(groups, out_png: str, key: str = "loss") -> str:
     fig = Figure(figsize=(14, 5.5))
     FigureCanvasAgg(fig)
     whole, end = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    for label, paths in groups:
+    for label, seeds in groups:
         curves, vals = [], []
-        for p in paths:
-            records = metrics_lib.read_metrics(p)
+        for records in seeds:
             last = {}
             for r in records:  # a resumed run's repeated steps count once, the last written
                 last[r["step"]] = r
@@ -179,7 +177,7 @@ def band_plot(groups, out_png: str, key: str = "loss") -> str:
         for ax, idx in ((whole, range(len(steps))), (end, tail)):
             xs = [steps[i] for i in idx]
             line = ax.plot(xs, [mid[i] for i in idx], linewidth=1.2,
-                           label=f"{label} ({len(paths)} seeds)")[0]
+                           label=f"{label} ({len(seeds)} seeds)")[0]
             ax.fill_between(xs, [lo[i] for i in idx], [hi[i] for i in idx],
                             color=line.get_color(), alpha=0.2, linewidth=0)
             vx = [(s, v) for s, v in zip(vsteps, vmean) if not xs or s >= xs[0]]
@@ -253,10 +251,11 @@ def draw(out: str, runs: list[dict], png: str = "seeds_loss.png",
          frontier_png: str = "seeds_frontier.png") -> dict:
     """The banded loss curves of every setting with >= 2 seeds and the gap
     against bytes -> {"seeds": png, "frontier": frontier_png}."""
+    stored = runlog.gather(out) if runs else {}
     by = {}
     for r in runs:
-        by.setdefault(r["name"], []).append(os.path.join(ROOT, r["workdir"], metrics_lib.METRICS_FILE))
-    groups = [(n, ps) for n, ps in by.items() if len(ps) >= 2]
+        by.setdefault(r["name"], []).append(stored[os.path.basename(r["workdir"])]["records"])
+    groups = [(n, rs) for n, rs in by.items() if len(rs) >= 2]
     if not groups:
         return {}
     band_plot(groups, os.path.join(out, png))
