@@ -115,8 +115,9 @@ def reduce(grads, outs, data_axes, codec, key, rows, bucket):
             k = None if key is None else jax.random.fold_in(key, 4 * g + 3)
             c = ({a: v for a, v in codec.items() if a in left} if isinstance(codec, Mapping)
                  else codec)
-            part = _in_f32(lambda ls: hops.psum(ls, left, codec=c, key=k, rows=rows,
-                                                **bucket), c, pad=rows == "flat")(part)
+            psum = hops.psum if isinstance(c, Mapping) else ops.psum  # a codec per hop
+            part = _in_f32(lambda ls: psum(ls, left, codec=c, key=k, rows=rows, **bucket),
+                           c, pad=rows == "flat")(part)
         for i, x in zip(idx, part):
             out[i] = x
     return out
