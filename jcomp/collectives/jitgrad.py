@@ -111,10 +111,10 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
     data_axes: every mesh axis the batch is split over (MaxText: ("data", "fsdp")).
     codec: the gradients' codec, or a codec per batch axis ({"dcn": "int4:rot"}:
     coded across that hop only, the others raw; see `hops`); "none" is lax's
-    reduction. key: for codecs that draw (`:sr`, randk). microbatches=k: k gradients accumulated in float32
-    (`lax.scan`), one reduction per call. scatter=True: every gradient comes back
+    reduction. key: for codecs that draw (`:sr`, randk). microbatches=k: k
+    gradients accumulated in float32, one reduction. scatter=True: each comes back
     reduce-scattered over the data axes it does not use (`scatter_specs`), for
-    an optimizer state sharded over them (`gather_params` brings parameters back).
+    an optimizer state sharded over them (`gather_params` brings them back).
     The loss is float32; the gradients have the parameters' dtypes and boxes.
     check_bytes: compile the plain gradient program beside this one the first
     time a signature is traced, and warn (`ExtraBytesWarning`) naming each mesh
@@ -170,11 +170,10 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
         b_spec = (jax.tree.map(lambda _: P(data_spec), batch) if batch_spec is None
                   else batch_spec)
 
-        # "none" leaves the replicated leaves' sums to XLA, outside the map (each
-        # rank's gradient out along a new leading axis, summed there): XLA lays the
-        # sum out as the plain program does, e.g. each tensor rank reducing half of
-        # a LayerNorm scale its consumer wants split. Inside the map each would be
-        # all-reduced whole: more bytes over data than the plain step.
+        # "none" leaves replicated leaves' sums to XLA (each rank's gradient leaves
+        # the map on a new leading axis): XLA lays a sum out as the plain program
+        # does, e.g. each tensor rank reducing half of a LayerNorm scale; inside the
+        # map it would be all-reduced whole, more bytes over data than plain.
         to_xla = [not _coded(codec) and not jitspecs.axes_in(o) for o in outs]
         ours = [i for i, x in enumerate(to_xla) if not x]
 
