@@ -48,7 +48,14 @@ def get_config():
         warmup_steps=0,         # "@N" on every entry without a schedule below
         # The optimizer sends gradients and parameters in flat buffers of at most
         # this many MiB (jcomp.collectives.buckets: why 32).
-        bucket_mib=32.0))
+        bucket_mib=32.0,
+        # "on": choose every entry below from measured links (jcomp.train.auto,
+        # docs/trainer.md "Letting jcomp choose"); entries set by hand are refused.
+        # "reprobe": decide afresh on a resume instead of keeping the checkpoint's.
+        auto="off",
+        profile="",             # with auto: a profile JSON (jcomp.tune); "" probes the mesh at start
+        budget="",              # with auto: the most compressed codec per kind, "grad=int8,act=none"
+        overlap=0.0))           # with auto: the share of link time hidden behind compute, [0, 1]
     # Per-(axis, kind) schedule: "CODEC@STEP,..." with increasing steps, uncompressed
     # before the first; a bare "@STEP" starts the policy's codec ("" = from step 0).
     # E.g. schedule.data.grad="bf16@0,int8@200,int4@1000". See jcomp/gpt/schedule.py.

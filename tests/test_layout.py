@@ -232,3 +232,37 @@ def test_a_train_step_build_reads_each_codec_string_once(monkeypatch):
     step.make_train_step(run.model, mesh, run.plan(run.policy), tx, shapes,
                          **run.step_options()).lower(state, batch)
     assert collections.Counter(parsed) == {"int8": 1, "int4:rot": 1, "fp8": 1, "none": 1}, parsed
+
+
+def _config_reads(path):
+    """The config sections (configs/base.py's top-level fields) a module reads as
+    `cfg.SECTION` or `config.SECTION`."""
+    sections = {"checkpoint", "compression", "data", "mesh", "model", "optim", "outer", "seed",
+                "train"}
+    tree = ast.parse(open(path).read(), path)
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id in ("cfg", "config")
+            and n.attr in sections}
+
+
+SETTINGS = {"jcomp.train.runspec", "jcomp.train.auto", "jcomp.train.plan"}
+
+
+def test_the_config_is_read_by_the_trainers_settings_only():
+    """The trainer's config is read where it enters: runspec (checked into a frozen
+    RunSpec), auto (compression.auto's fields) and the planning door; every other
+    module takes the values they hand down, and no library or GPT module imports
+    ml_collections."""
+    readers = {name for name, path in _modules().items() if _config_reads(path)}
+    assert readers <= SETTINGS, readers - SETTINGS
+    assert "jcomp.train.runspec" in readers
+    for name, path in _modules().items():
+        if not name.startswith("jcomp.train"):
+            assert "ml_collections" not in open(path).read(), name
+
+
+def test_the_config_reader_check_sees_a_read(tmp_path):
+    """The check above can fail: a module reading cfg.train is seen."""
+    p = tmp_path / "m.py"
+    p.write_text("def f(cfg):\n    return cfg.train.steps\n")
+    assert _config_reads(str(p)) == {"train"}

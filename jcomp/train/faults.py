@@ -247,13 +247,13 @@ def write_failed(what: str, last_complete, reason, disk_full: bool) -> WriteErro
     return WriteError(f"{'disk full: ' if disk_full else ''}{what} failed ({cause}); {safe}")
 
 
-def append_record(writer, record):
-    """`writer.write(record)` (a metrics.MetricsWriter); if it fails, the file is cut
-    back to whole lines and the OSError re-raised."""
+def append_record(writer, record, nested: bool = False):
+    """`writer.write(record, nested)` (a metrics.MetricsWriter); if it fails, the
+    file is cut back to whole lines and the OSError re-raised."""
     writer.open()
     size = os.path.getsize(writer.path)
     try:
-        writer.write(record)
+        writer.write(record, nested)
     except OSError:
         try:
             writer.close()  # its buffer may hold part of the line: drop it

@@ -30,6 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jcomp.train import auto as auto_lib
 from jcomp.train import checkpoint, cluster, data, faults, resume, record as steprecord
 from jcomp.train import hooks as hooks_lib
 from jcomp.gpt import mesh as mesh_lib
@@ -101,11 +102,15 @@ def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None,
 
 
 def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, locks: list) -> dict:
-    run = validate(cfg, len(jax.devices()))
+    auto = auto_lib.settings(cfg)  # None with compression.auto off
+    run = validate(auto_lib.uncompressed(cfg) if auto else cfg, len(jax.devices()))
     faults.check_workdir(workdir)
+    mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
+    decision = None  # compression.auto's summary: printed, logged and checkpointed
+    if auto:
+        run, decision = auto_lib.decide(cfg, auto, run, mesh, workdir)
     tx = run.optim.tx(run.train.steps)
     _, train_ds, val = load_data(run)
-    mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
     make_params = resume.init_params(run)
     shapes = jax.eval_shape(make_params)
 
@@ -140,6 +145,8 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     lr_at = run.optim.schedule(start.schedule_steps)
     logged_phase = None  # the phase whose static metrics were last logged
     last, sent = {}, 0.0  # sent: bytes per device per step of the step running now
+    if decision and jax.process_index() == 0:
+        print(auto_lib.table(decision), flush=True)
     with metrics_lib.Progress(t.steps, start.step) as bar, _finishing(ckpt, writer), profiler:
         for i in range(start.step, t.steps):
             done = i + 1
@@ -185,6 +192,8 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                                                        state))
                 sent = record["wire_bytes_total"]
                 if logged_phase is None:
+                    if decision and writer:
+                        _append(writer, {"auto": decision}, metrics_path, done, ckpt, nested=True)
                     bar.write(_start_table(run, phase, report))
                     if syncs:
                         syncs.prepare(state)
@@ -201,17 +210,13 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                 if steps.forward_compressed(phase):
                     record["val_loss_compressed"] = steps.val_loss(phase, state["params"], val)
             if writer and steprecord.due(record, done, t.log_every, t.steps):
-                try:
-                    faults.append_record(writer, record)
-                except OSError as e:
-                    raise faults.write_failed(f"writing {metrics_path} at step {done}",
-                                              ckpt.latest_step(), e.strerror,
-                                              e.errno == errno.ENOSPC) from None
+                _append(writer, record, metrics_path, done, ckpt)
             bar.update(done, loss=loss, tokens_per_s=record["tokens_per_s"], bytes_per_step=sent)
             last = record
             hooks.after_step(done, record)
             stopping = stop.agreed(done)
-            meta = resume.checkpoint_meta(run, train_ds, done, start.schedule_steps, streak)
+            meta = resume.checkpoint_meta(run, train_ds, done, start.schedule_steps, streak,
+                                          auto=decision)
             if ckpt.maybe_save(done, state, meta, force=stopping or done == t.steps):
                 hooks.during_save(done, os.fspath(ckpt.directory), stop)
             if stopping:
@@ -221,6 +226,14 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
         return last
     last = _with_traffic(last, run, steps)
     return {**last, "outer_bytes_per_step": syncs.bytes_per_step()} if syncs else last
+
+
+def _append(writer, record, metrics_path, done, ckpt, nested=False):
+    try:
+        faults.append_record(writer, record, nested)
+    except OSError as e:
+        raise faults.write_failed(f"writing {metrics_path} at step {done}", ckpt.latest_step(),
+                                  e.strerror, e.errno == errno.ENOSPC) from None
 
 
 def _start_table(run, phase, report) -> str:

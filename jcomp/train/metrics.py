@@ -60,8 +60,11 @@ def metrics_path(path) -> str:
     return os.path.join(path, METRICS_FILE) if is_dir else path
 
 
-def _plain(key: str, value):
-    """A JSON value for one metric: Python bool/int/float/str/None, non-finite as strings."""
+def _plain(key: str, value, nested: bool = False):
+    """A JSON value for one metric: Python bool/int/float/str/None, non-finite as
+    strings; with `nested`, a mapping as an object of such values."""
+    if nested and isinstance(value, Mapping):
+        return {str(k): _plain(f"{key}.{k}", v, True) for k, v in value.items()}
     if value is None or isinstance(value, (bool, np.bool_)):
         return None if value is None else bool(value)
     if isinstance(value, str):
@@ -81,14 +84,16 @@ def _plain(key: str, value):
     raise TypeError(f"metric {key!r} must be a number, bool, str or None; got {type(value).__name__}")
 
 
-def to_json_line(record: Mapping) -> str:
-    """One strict-JSON line (no newline) for a flat {name: scalar} record."""
+def to_json_line(record: Mapping, nested: bool = False) -> str:
+    """One strict-JSON line (no newline) for a flat {name: scalar} record; with
+    `nested`, values may be mappings of them (a run's one-off record, such as
+    compression.auto's decision, which has no step and no TensorBoard scalars)."""
     if not isinstance(record, Mapping):
         raise TypeError(f"record must be a dict; got {type(record).__name__}")
     for key in record:
         if not isinstance(key, str):
             raise TypeError(f"metric names must be str; got {key!r}")
-    return json.dumps({k: _plain(k, v) for k, v in record.items()}, allow_nan=False)
+    return json.dumps({k: _plain(k, v, nested) for k, v in record.items()}, allow_nan=False)
 
 
 def _cut_partial_last_line(path) -> int:
@@ -151,8 +156,8 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.dirname(self.path) or ".", flush_secs=10)
 
-    def write(self, record: Mapping):
-        line = to_json_line(record)  # validates every value before either file sees it
+    def write(self, record: Mapping, nested: bool = False):
+        line = to_json_line(record, nested)  # validates every value before either file sees it
         self.open()
         self._file.write(line + "\n")
         self._file.flush()

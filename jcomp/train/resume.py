@@ -107,12 +107,15 @@ def _both(*checks):
     return lambda meta: [p for c in checks for p in c(meta)]
 
 
-def checkpoint_meta(run, train_ds, step_no: int, schedule_steps: int, streak: int) -> dict:
-    """What a checkpoint of step `step_no` records beside the state."""
+def checkpoint_meta(run, train_ds, step_no: int, schedule_steps: int, streak: int,
+                    auto: dict | None = None) -> dict:
+    """What a checkpoint of step `step_no` records beside the state; `auto`, the
+    decision of compression.auto (jcomp.train.auto), is what a resume keeps."""
     return {"data": train_ds.state(step_no), "step": step_no, "fingerprint": run.fingerprint(),
             "schedule_steps": schedule_steps, "nonfinite_streak": streak,
             "optim": dataclasses.asdict(run.optim), "mesh_dcn_data": int(run.dcn_data),
-            **({"outer": run.outer.record()} if run.outer else {})}
+            **({"outer": run.outer.record()} if run.outer else {}),
+            **({"auto": auto} if auto else {})}
 
 
 def optim_changes(run, meta) -> list[str]:

@@ -1,0 +1,16 @@
+"""configs/base.py with the codecs chosen by the trainer from measured links:
+the mesh is probed at start (a few seconds), or read from a profile.
+
+    python train.py --config=configs/auto.py
+    python train.py --config=configs/auto.py \\
+        --config.compression.profile=configs/profiles/h100_8x_nvlink_400g.json \\
+        --config.compression.budget=grad=int8 --config.compression.overlap=0.3
+
+See docs/trainer.md, "Letting jcomp choose: compression.auto"."""
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.compression.auto = "on"
+    return c

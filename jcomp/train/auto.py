@@ -1,0 +1,255 @@
+"""`compression.auto`: the trainer picks each message's codec from measured links.
+
+    s = settings(cfg)                       # None with auto off; UsageError naming the field
+    run, summary = decide(cfg, s, run, mesh, workdir)   # the run with the chosen policy
+    print(table(summary))
+
+With compression.auto="on" the run's uncompressed message plan is priced per
+(mesh axis, kind): its bytes and collectives per step (jcomp.train.stepbytes,
+counted from shapes, not read from a compiled step: the choice must come
+before the step it chooses for is compiled, a baseline compile of a large
+model would cost minutes and memory for nothing else, and the planning CLI,
+jcomp.train.plan, must price models no machine here holds), with rows of
+d_model for activations. The links and codec costs come from
+compression.profile (a JSON profile, jcomp.tune.load) or, with "", from
+`tune.probe` on the run's own mesh at start. `tune.choose` picks per (axis,
+kind) the codec of least predicted time within the default ladders cut by
+compression.budget ("grad=int4:rot,act=int8"), with compression.overlap the
+share of link time hidden behind compute. Its choices become policy entries
+("data.grad": codec, ...) set on a copy of the config, which then goes through
+`runspec.validate` as if the user had written them.
+
+Entries the user sets are refused, not kept: compression.policy other than
+"baseline", any compression.AXIS.KIND or compression.dcn.KIND, and a schedule
+naming a codec (a bare "@STEP" start is kept, as are warmup_steps, layers,
+stages and error_feedback). A half-chosen policy would price the messages
+against codecs the user fixed without saying so.
+
+A resume keeps the decision the newest checkpoint recorded (no probe, the
+profile file unread) unless compression.auto="reprobe": that decides afresh,
+and a policy other than the checkpoint's is refused (its state is laid out
+for that policy; train the new choice in a new workdir).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import ml_collections
+
+from jcomp import tune
+from jcomp.gpt import policy as policy_lib
+from jcomp.train import faults, stepbytes
+
+UsageError = faults.UsageError
+MODES = ("off", "on", "reprobe")
+
+
+def settings(cfg) -> dict | None:
+    """The compression.auto fields checked -> {"mode", "profile" (a Profile, or
+    None: probe), "profile_path", "budget", "overlap"}; None with auto off."""
+    comp = cfg.compression
+    mode = comp.get("auto", "off")
+    if mode not in MODES:
+        raise UsageError(f"compression.auto={mode!r}; allowed: {', '.join(MODES)}")
+    if mode == "off":
+        return None
+    _refuse_explicit(comp)
+    budget = parse_budget(comp.get("budget", ""))
+    overlap = check_overlap(comp.get("overlap", 0.0))
+    path = comp.get("profile", "")
+    return {"mode": mode, "profile_path": path, "profile": load_profile(path) if path else None,
+            "budget": budget, "overlap": overlap}
+
+
+def _refuse_explicit(comp):
+    why = "compression.auto chooses it (leave it '' or set compression.auto='off')"
+    if comp.policy != "baseline":
+        raise UsageError(f"compression.policy={comp.policy!r}: with compression.auto on the "
+                         "starting point is 'baseline' and " + why.replace(" it ", " the codecs "))
+    for axis, kind in (*policy_lib.MESSAGES, *policy_lib.HOP_MESSAGES):
+        spec = comp.get(axis, {}).get(kind, "")
+        if spec:
+            raise UsageError(f"compression.{axis}.{kind}={spec!r}: {why}")
+    for axis, kind in policy_lib.MESSAGES:
+        spec = comp.schedule[axis][kind]
+        if spec and not spec.strip().startswith("@"):
+            raise UsageError(f"compression.schedule.{axis}.{kind}={spec!r} names a codec: {why}; "
+                             "a bare '@STEP' start is allowed")
+
+
+def parse_budget(text) -> dict | None:
+    """"grad=int4:rot,act=int8" -> {"grad": "int4:rot", "act": "int8"}, checked against
+    the ladders; "" -> None (tune's defaults)."""
+    field = f"compression.budget={text!r}"
+    if not isinstance(text, str):
+        raise UsageError(f"{field} must be a string like 'grad=int4:rot,act=int8'")
+    if not text.strip():
+        return None
+    budget = {}
+    for item in text.split(","):
+        kind, eq, codec = (s.strip() for s in item.partition("="))
+        if not eq or not kind or not codec or kind in budget:
+            raise UsageError(f"{field}: want KIND=CODEC,... with each kind once (kinds: "
+                             f"{', '.join(tune.DEFAULT_LADDERS)}); got {item.strip()!r}")
+        budget[kind] = codec
+    try:
+        tune.ladders(budget=budget)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{field}: {e}") from None
+    return budget
+
+
+def check_overlap(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise UsageError(f"compression.overlap={value!r}; allowed: a number in [0, 1] (the "
+                         "share of link time hidden behind compute)")
+    return float(value)
+
+
+def load_profile(path, field: str = "compression.profile") -> tune.Profile:
+    try:
+        return tune.load(path)
+    except OSError as e:
+        raise UsageError(f"{field}={path!r}: {e.strerror or e}") from None
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{field}={path!r}: {str(e).splitlines()[0]}") from None
+
+
+# ------------------------------------------------------------------ deciding
+
+def choose(run, profile: tune.Profile, budget, overlap: float, source: str) -> dict:
+    """The decision for `run` (its uncompressed RunSpec) as a summary dict: per
+    entry the codec, the link figures used, raw and coded bytes and predicted
+    seconds vs raw; the totals; and the profile itself."""
+    msgs = stepbytes.by_entry(run)
+    try:
+        d = tune.choose(profile, msgs, budget=budget, overlap=overlap)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"compression.profile ({source}): {str(e).splitlines()[0]}") from None
+    return summarize(d, profile, budget, source)
+
+
+def summarize(d: tune.Decision, profile: tune.Profile, budget, source: str) -> dict:
+    entries = {}
+    for c in d.choices:
+        link = profile.link(c.axis)
+        entries[f"{c.axis}.{c.kind}"] = {
+            "codec": c.codec, "latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s,
+            "raw_bytes": c.traffic.raw_bytes, "coded_bytes": c.coded_bytes,
+            "collectives": c.traffic.collectives, "seconds": c.seconds,
+            "raw_seconds": c.raw_seconds}
+    return {"source": source, "device": d.device, "overlap": d.overlap, "budget": budget or {},
+            "seconds": d.seconds, "raw_seconds": d.raw_seconds, "entries": entries,
+            "profile": profile.to_dict()}
+
+
+def overrides(summary: dict) -> dict:
+    """{"data.grad": codec, ...}: the decision as policy entries."""
+    return {entry: e["codec"] for entry, e in summary["entries"].items()}
+
+
+def uncompressed(cfg):
+    """A copy of `cfg` for the run before any choice: its error_feedback left to the
+    preset ('on' has nothing to feed back until a lossy codec is chosen)."""
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    out.compression.error_feedback = "auto"
+    return out
+
+
+def with_policy(cfg, summary: dict):
+    """A copy of `cfg` with the decision's codecs set as its compression entries."""
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    for entry, codec in overrides(summary).items():
+        axis, _, kind = entry.partition(".")
+        out.compression[axis][kind] = codec
+    return out
+
+
+def saved(workdir) -> tuple[int, dict] | None:
+    """(step, decision) recorded by the newest complete checkpoint in `workdir`, or
+    None. Read-only: the decision is needed before the workdir is locked, so that
+    a config the decision makes invalid leaves the workdir as it was."""
+    from jcomp.train import checkpoint
+    steps = []
+    for path in glob.glob(os.path.join(workdir, "checkpoints", "*", checkpoint.COMMIT_MARKER)):
+        name = os.path.basename(os.path.dirname(path))
+        if name.isdigit():
+            steps.append(int(name))
+    for step in sorted(steps, reverse=True):
+        # Orbax's JsonSave item "meta" (jcomp.train.checkpoint) is this one file.
+        try:
+            with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            continue  # damaged: the restore sets it aside and tries older steps too
+        auto = meta.get("auto") if isinstance(meta, dict) else None
+        return (step, auto) if isinstance(auto, dict) else None
+    return None
+
+
+def decide(cfg, s: dict, run, mesh, workdir):
+    """-> (the RunSpec of `cfg` with the decision's policy, the decision's summary).
+    `run` is the uncompressed RunSpec of `cfg`, `mesh` the run's mesh (probed when
+    compression.profile is '')."""
+    from jcomp.train.runspec import validate
+    kept = saved(workdir) if s["mode"] == "on" else None
+    if kept is not None:
+        step, summary = kept
+        summary = {**summary, "source": f"kept from the checkpoint of step {step}"}
+    else:
+        profile, source = s["profile"], f"profile {s['profile_path']}"
+        if profile is None:
+            try:
+                profile = tune.probe(mesh)
+            except ValueError as e:
+                raise UsageError(f"compression.profile='' (probe at start): {e}") from None
+            source = "probed at start"
+        summary = choose(run, profile, s["budget"], s["overlap"], source)
+    chosen = validate(with_policy(cfg, summary), len(mesh.devices.flat))
+    if s["mode"] == "reprobe":
+        _check_reprobe(workdir, summary)
+    return chosen, summary
+
+
+def _check_reprobe(workdir, summary):
+    kept = saved(workdir)
+    if kept is None:
+        return
+    step, old = kept
+    was, now = overrides(old), overrides(summary)
+    changed = [f"{k}={now[k]} (checkpoint: {was.get(k)})" for k in now if was.get(k) != now[k]]
+    if changed:
+        raise UsageError(f"compression.auto='reprobe' chose {', '.join(changed)}, but the "
+                         f"checkpoint of step {step} is laid out for its own choice; resume "
+                         "with compression.auto='on' to keep it, or train the new choice in "
+                         "another --workdir")
+
+
+# ------------------------------------------------------------------ text
+
+def _human(n: float) -> str:
+    from jcomp.train.traffic import human
+    return human(n)
+
+
+def table(summary: dict) -> str:
+    """The decision as the trainer prints it before training."""
+    head = ("entry", "link (latency, bandwidth)", "codec", "bytes/step raw -> coded",
+            "comm ms: chosen", "raw")
+    rows = [head]
+    for entry, e in summary["entries"].items():
+        rows.append((entry, f"{e['latency_s'] * 1e6:.3g} us, {e['bytes_per_s'] / 1e9:.3g} GB/s",
+                     e["codec"], f"{_human(e['raw_bytes'])} -> {_human(e['coded_bytes'])}",
+                     f"{e['seconds'] * 1e3:.4g}", f"{e['raw_seconds'] * 1e3:.4g}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["compression.auto: codecs chosen from measured links (" + summary["source"] + "):"]
+    lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    raw, now = summary["raw_seconds"], summary["seconds"]
+    lines.append(f"  predicted communication per step: {now * 1e3:.4g} ms vs {raw * 1e3:.4g} ms "
+                 f"uncompressed ({now / raw if raw else 1.0:.2f}x; overlap "
+                 f"{summary['overlap']:g}; {summary['device']})")
+    return "\n".join(lines)

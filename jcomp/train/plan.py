@@ -1,0 +1,124 @@
+"""What compression.auto would choose for a model on a mesh, from a profile,
+without devices: message plans and sizes from shapes only, nothing compiled.
+
+    python -m jcomp.train.plan --profile=configs/profiles/h100_8x_nvlink_400g.json \\
+        --config=configs/neox20b.py [--devices=192] [--mesh data=12,tensor=4,pipeline=4]
+        [--budget=grad=int8] [--overlap=0.3]
+
+Prints per (mesh axis, kind) the link, the codec chosen, the bytes per step
+raw -> coded and the predicted communication time vs uncompressed, beside the
+hybrid_paper preset's codec and predicted time (Xu et al.'s hybrid), then the
+totals. --devices is the machine the config's mesh is resolved for (a size of
+-1 takes the rest): 192, the paper's GPU count, by default. Exit 2 with one
+line on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _config(path: str):
+    if not os.path.isfile(path):
+        raise ValueError(f"--config={path}: no such file")
+    sys.path.insert(0, ROOT)  # configs/ import configs.base
+    spec = importlib.util.spec_from_file_location("_plan_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def _mesh(cfg, text: str):
+    if not text:
+        return
+    for item in text.split(","):
+        axis, eq, size = item.partition("=")
+        if not eq or axis.strip() not in cfg.mesh or not size.strip().lstrip("-").isdigit():
+            raise ValueError(f"--mesh: want AXIS=SIZE,... with AXIS in {', '.join(cfg.mesh)}; "
+                             f"got {item!r}")
+        cfg.mesh[axis.strip()] = int(size)
+
+
+def plan_text(cfg, profile, n_devices: int, budget, overlap: float) -> str:
+    import jax.numpy as jnp
+
+    from jcomp import tune
+    from jcomp.gpt import policy as policy_lib
+    from jcomp.train import auto, runspec, stepbytes
+    run = runspec.validate(auto.uncompressed(cfg), n_devices)
+    summary = auto.choose(run, profile, budget, overlap, "planned from shapes")
+    paper = policy_lib.preset("hybrid_paper")
+    msgs = stepbytes.by_entry(run)
+    rows = [("entry", "link", "auto", "raw -> coded /step", "ms", "raw ms", "hybrid_paper", "ms")]
+    paper_total = []
+    for entry, e in summary["entries"].items():
+        axis, _, kind = entry.partition(".")
+        codec = str(paper[axis, kind])
+        try:
+            t = tune.predict(profile, axis, msgs[axis, kind], codec, overlap)
+        except ValueError as err:
+            raise ValueError(f"the profile cannot price hybrid_paper's {entry}={codec}: {err}")
+        paper_total.append(t)
+        rows.append((entry, f"{e['latency_s'] * 1e6:.3g} us, {e['bytes_per_s'] / 1e9:.3g} GB/s",
+                     e["codec"], f"{_h(e['raw_bytes'])} -> {_h(e['coded_bytes'])}",
+                     f"{e['seconds'] * 1e3:.4g}", f"{e['raw_seconds'] * 1e3:.4g}", codec,
+                     f"{t * 1e3:.4g}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    sizes = ", ".join(f"{a}={n}" for a, n in run.mesh_sizes().items())
+    lines = [f"compression.auto plan: {run.model.n_layers} layers, d_model {run.model.d_model}, "
+             f"{jnp.dtype(run.model.compute_dtype).name}; mesh {sizes}; profile: {profile.device}"]
+    lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    raw, now, hp = summary["raw_seconds"], summary["seconds"], math.fsum(paper_total)
+    lines.append(f"predicted communication per step (overlap {overlap:g}): "
+                 f"auto {now * 1e3:.4g} ms, "
+                 f"hybrid_paper {hp * 1e3:.4g} ms, uncompressed {raw * 1e3:.4g} ms "
+                 f"(auto {now / raw:.2f}x, hybrid_paper {hp / raw:.2f}x of uncompressed)")
+    lines.append("Bytes from shapes (jcomp.train.stepbytes); times from the profile "
+                 "(jcomp.tune.choose's model); compute, congestion and loss are not modelled.")
+    return "\n".join(lines)
+
+
+def _h(n):
+    from jcomp.train.traffic import human
+    return human(n)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jcomp.train.plan",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--profile", required=True, help="a profile JSON (jcomp.tune.save)")
+    p.add_argument("--config", required=True, help="a trainer config file, e.g. configs/neox20b.py")
+    p.add_argument("--devices", type=int, default=192)
+    p.add_argument("--mesh", default="", help="mesh sizes to set, e.g. data=6,dcn_data=2")
+    p.add_argument("--budget", default=None, help="as compression.budget (default: the config's)")
+    p.add_argument("--overlap", type=float, default=None,
+                   help="as compression.overlap (default: the config's)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # shapes only: no accelerator is used
+    try:
+        from jcomp.train import auto
+        if args.devices < 1:
+            raise ValueError(f"--devices={args.devices}; allowed: >= 1")
+        profile = auto.load_profile(args.profile, "--profile")
+        cfg = _config(args.config)
+        _mesh(cfg, args.mesh)
+        budget = auto.parse_budget(cfg.compression.get("budget", "") if args.budget is None
+                                   else args.budget)
+        overlap = auto.check_overlap(cfg.compression.get("overlap", 0.0) if args.overlap is None
+                                     else args.overlap)
+        text = plan_text(cfg, profile, args.devices, budget, overlap)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"plan: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

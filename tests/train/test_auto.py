@@ -1,0 +1,316 @@
+"""compression.auto (jcomp.train.auto), its byte model (jcomp.train.stepbytes)
+and the planning CLI (jcomp.train.plan): in process with made-up profiles, then
+train.py in subprocesses (marked e2e)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jcomp import tune
+from jcomp.train import auto, runspec, stepbytes
+from tests.train.tinyconfig import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+H100 = os.path.join(ROOT, "configs", "profiles", "h100_8x_nvlink_400g.json")
+AXES = ("dcn", "data", "tensor", "pipeline")
+CODECS = ("bf16", "int8", "int4:rot")
+
+
+def profile(bytes_per_s, latency_s=1e-6, codec_s_per_byte=1e-13) -> tune.Profile:
+    cost = tune.CodecCost(codec_s_per_byte, codec_s_per_byte)
+    return tune.Profile(links={a: tune.Link(latency_s, bytes_per_s) for a in AXES},
+                        codecs={c: cost for c in CODECS}, device="made up")
+
+
+FAST, SLOW = profile(1e13), profile(1e8, latency_s=1e-5)
+
+
+def write(path, prof):
+    tune.save(prof, str(path))
+    return str(path)
+
+
+def uncompressed_run(**overrides):
+    cfg = tiny_config(**{"compression.auto": "on", **overrides})
+    return cfg, runspec.validate(auto.uncompressed(cfg), 8)
+
+
+# ------------------------------------------------------------------ deciding
+
+def test_a_fast_profile_sends_raw_and_a_slow_one_compresses_and_the_run_takes_it():
+    cfg, run = uncompressed_run()
+    fast = auto.choose(run, FAST, None, 0.0, "test")
+    assert set(auto.overrides(fast).values()) == {"none"}
+    assert set(fast["entries"]) == {"data.grad", "data.param", "tensor.act", "tensor.act_grad",
+                                    "pipeline.act", "pipeline.act_grad"}
+    slow = auto.choose(run, SLOW, None, 0.0, "test")
+    chosen = auto.overrides(slow)
+    assert chosen["data.grad"] == "int4:rot" and chosen["data.param"] == "int8"
+    assert {chosen[e] for e in ("tensor.act", "tensor.act_grad", "pipeline.act",
+                                "pipeline.act_grad")} == {"int8"}
+    assert slow["seconds"] < slow["raw_seconds"]
+    e = slow["entries"]["data.grad"]
+    assert e["coded_bytes"] < e["raw_bytes"] and e["bytes_per_s"] == 1e8
+    assert slow["profile"] == SLOW.to_dict()
+    final = runspec.validate(auto.with_policy(cfg, slow), 8)
+    for entry, codec in chosen.items():
+        assert str(final.policy[tuple(entry.split("."))]) == codec
+
+
+def test_budget_and_overlap_move_the_choice():
+    _, run = uncompressed_run()
+    capped = auto.overrides(auto.choose(run, SLOW, auto.parse_budget("grad=int8,act=none"),
+                                        0.0, "test"))
+    assert capped["data.grad"] == "int8" and capped["tensor.act"] == "none"
+    assert capped["tensor.act_grad"] == "int8"  # a budget names one kind only
+    hidden = auto.choose(run, SLOW, None, 1.0, "test")  # all link time hidden: codecs only cost
+    assert set(auto.overrides(hidden).values()) == {"none"}
+
+
+def test_the_dcn_hop_gets_entries_of_its_own():
+    _, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "mesh.dcn_data": 2})
+    slow_dcn = tune.Profile(links={**FAST.links, "dcn": tune.Link(1e-5, 1e8)},
+                            codecs=FAST.codecs, device="fast inside, slow between")
+    chosen = auto.overrides(auto.choose(run, slow_dcn, None, 0.0, "test"))
+    assert chosen["dcn.grad"] == "int4:rot" and chosen["data.grad"] == "none"
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("compression.auto", "maybe", "compression.auto='maybe'"),
+    ("compression.budget", "grad=int2", "compression.budget='grad=int2'"),
+    ("compression.budget", "grad", "compression.budget='grad'"),
+    ("compression.budget", "weights=int8", "compression.budget='weights=int8'"),
+    ("compression.overlap", 1.5, "compression.overlap=1.5"),
+    ("compression.overlap", float("nan"), "compression.overlap=nan"),
+    ("compression.data.grad", "int8", "compression.data.grad='int8'"),
+    ("compression.policy", "hybrid", "compression.policy='hybrid'"),
+    ("compression.schedule.data.grad", "int8@2", "compression.schedule.data.grad='int8@2'"),
+    ("compression.profile", "/no/such/profile.json", "compression.profile='/no/such"),
+])
+def test_bad_settings_name_their_field(field, value, named):
+    with pytest.raises(runspec.UsageError) as e:
+        auto.settings(tiny_config(**{"compression.auto": "on", field: value}))
+    assert str(e.value).startswith(named)
+
+
+def test_auto_off_is_none_and_a_bare_schedule_start_is_kept():
+    assert auto.settings(tiny_config()) is None
+    s = auto.settings(tiny_config(**{"compression.auto": "on",
+                                     "compression.schedule.data.grad": "@2"}))
+    assert s["mode"] == "on" and s["profile"] is None and s["overlap"] == 0.0
+
+
+def test_a_profile_without_an_axis_of_the_mesh_is_refused_naming_the_profile(tmp_path):
+    _, run = uncompressed_run()
+    partial = tune.Profile(links={"data": tune.Link(1e-6, 1e9)}, codecs=FAST.codecs, device="x")
+    with pytest.raises(runspec.UsageError, match=r"^compression.profile .*no link for mesh axis"):
+        auto.choose(run, partial, None, 0.0, "profile x")
+
+
+def test_saved_reads_the_newest_complete_checkpoints_decision(tmp_path):
+    assert auto.saved(str(tmp_path)) is None
+    for step, codec, done in ((2, "int8", True), (4, "bf16", True), (6, "none", False)):
+        d = tmp_path / "checkpoints" / str(step)
+        (d / "meta").mkdir(parents=True)
+        (d / "meta" / "metadata").write_text(json.dumps(
+            {"auto": {"entries": {"data.grad": {"codec": codec}}}}))
+        if done:
+            (d / "commit_success.txt").write_text("")
+    step, summary = auto.saved(str(tmp_path))
+    assert step == 4 and auto.overrides(summary) == {"data.grad": "bf16"}
+
+
+# ------------------------------------------------------------------ bytes
+
+def test_step_bytes_match_the_compiled_uncompressed_step():
+    """The shapes-only count against the meter's reading of the compiled tiny step:
+    every (axis, kind) within 2% (the compiled one adds small reductions XLA
+    folds into the messages' collectives)."""
+    import jax
+    import numpy as np
+
+    from jcomp.gpt import mesh as mesh_lib
+    from jcomp.train import resume
+    from jcomp.train.stepcache import StepCache, global_batch
+    _, run = uncompressed_run()
+    mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
+    tx = run.optim.tx(run.train.steps)
+    make = resume.init_params(run)
+    shapes = jax.eval_shape(make)
+    state = resume.init_state(run, make(), mesh, tx, shapes)
+    rows = np.zeros((run.train.batch_size, run.data.seq_len + 1), np.int32)
+    _, report = StepCache(run, mesh, tx, shapes).train(
+        run.phases[-1][1], state, global_batch(mesh, rows, run.train.batch_size))
+    plan = run.plan(run.phases[-1][1])
+    kinds = {m.name: m.entry.partition(".")[2] for m in plan.messages()}
+    measured = tune.messages_from(report, kinds)
+    mine = stepbytes.by_entry(run)
+    assert set(measured) == set(mine)
+    for key, t in mine.items():
+        assert t.raw_bytes == pytest.approx(measured[key].raw_bytes, rel=0.02), key
+    assert mine["data", "grad"].raw_bytes == measured["data", "grad"].raw_bytes
+
+
+def test_neox20b_is_planned_from_shapes_on_more_devices_than_exist():
+    from configs import neox20b
+    cfg = neox20b.get_config()
+    cfg.compression.auto = "on"
+    run = runspec.validate(auto.uncompressed(cfg), 192)
+    msgs = stepbytes.by_entry(run)
+    # The layers' parameters split over tensor 4 x pipeline 4, the untied embedding
+    # and head over tensor only; float32, (12-1)/12 of them sent each way.
+    d, f, n_layers, vocab = 6144, 24576, 44, 50432
+    layers, embed = n_layers * (4 * d * d + 2 * d * f), 2 * vocab * d
+    expected = (layers / 16 + embed / 4) * 4 * 11 / 12
+    assert msgs["data", "grad"].raw_bytes == pytest.approx(expected, rel=0.01)
+    assert msgs["tensor", "act"].dtype == "bfloat16" and msgs["tensor", "act"].row == 6144
+
+
+# ------------------------------------------------------------------ the CLIs
+
+def _cli(*args, timeout=120):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.e2e
+def test_plan_cli_on_neox20b_prints_the_table_beside_hybrid_paper():
+    r = _cli("-m", "jcomp.train.plan", f"--profile={H100}", "--config=configs/neox20b.py")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "mesh data=12, tensor=4, pipeline=4" in lines[0]
+    body = {l.split()[0]: l.split() for l in lines[2:8]}
+    assert set(body) == {"data.grad", "data.param", "tensor.act", "tensor.act_grad",
+                         "pipeline.act", "pipeline.act_grad"}
+    assert body["data.grad"][-2] == "int4"  # hybrid_paper's codec beside auto's
+    assert "hybrid_paper" in lines[8] and "uncompressed" in lines[8]
+
+
+@pytest.mark.e2e
+def test_plan_cli_bad_profile_is_one_line_exit_2(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"device": "x", "links": {"data": {"latency_s": -1, "bytes_per_s": 1}}, '
+                   '"codecs": {}}')
+    r = _cli("-m", "jcomp.train.plan", f"--profile={bad}", "--config=configs/neox20b.py")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("plan: error: --profile=")
+    assert "latency_s" in r.stderr
+
+
+# ------------------------------------------------------------------ train.py
+
+TINY = ["--config=configs/tiny.py", "--config.compression.auto=on", "--config.train.steps=4",
+        "--config.train.log_every=1", "--config.checkpoint.every=2",
+        "--config.train.eval_every=4"]
+
+
+def _train_env():
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+        "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"))
+
+
+def _train(workdir, *args, timeout=300):
+    return subprocess.run([sys.executable, "train.py", f"--workdir={workdir}", *TINY, *args],
+                          cwd=ROOT, env=_train_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _records(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _auto_records(workdir):
+    return [r["auto"] for r in _records(workdir) if "auto" in r]
+
+
+@pytest.fixture(scope="module")
+def auto_runs(tmp_path_factory):
+    """A run on a fast profile and one on a slow profile, side by side."""
+    base = tmp_path_factory.mktemp("auto")
+    fast, slow = write(base / "fast.json", FAST), write(base / "slow.json", SLOW)
+    runs = {"fast": (str(base / "w_fast"), fast), "slow": (str(base / "w_slow"), slow)}
+    procs = {name: subprocess.Popen(
+        [sys.executable, "train.py", f"--workdir={w}", *TINY, f"--config.compression.profile={p}"],
+        cwd=ROOT, env=_train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, (w, p) in runs.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=400)
+        assert proc.returncode == 0, stderr[-3000:]
+        out[name] = {"workdir": runs[name][0], "profile": runs[name][1], "stdout": stdout}
+    return out
+
+
+@pytest.mark.e2e
+def test_a_fast_profile_trains_uncompressed_and_records_the_decision(auto_runs):
+    r = auto_runs["fast"]
+    table = r["stdout"].split("compression.auto: codecs chosen", 1)[1].splitlines()
+    assert "(profile " + r["profile"] + ")" in table[0]
+    rows = {l.split()[0]: l.split() for l in table[2:8]}
+    assert set(rows) == {"data.grad", "data.param", "tensor.act", "tensor.act_grad",
+                         "pipeline.act", "pipeline.act_grad"}
+    assert all(row[5] == "none" for row in rows.values())  # after "1 us, 1e+04 GB/s"
+    assert "predicted communication per step" in table[8]
+    records = _records(r["workdir"])
+    decision = records[0]["auto"]  # before the first step's record
+    assert set(auto.overrides(decision).values()) == {"none"}
+    assert decision["profile"] == FAST.to_dict()
+    assert records[1]["step"] == 1 and records[1]["compression"] == "none"
+
+
+@pytest.mark.e2e
+def test_a_slow_profile_trains_with_the_codecs_it_chose(auto_runs):
+    r = auto_runs["slow"]
+    [decision] = _auto_records(r["workdir"])
+    chosen = auto.overrides(decision)
+    assert chosen["data.grad"] == "int4:rot" and chosen["tensor.act"] == "int8"
+    first = next(x for x in _records(r["workdir"]) if x.get("step") == 1)
+    assert "data.grad_reduce=int4:rot" in first["compression"]
+    assert "tensor.block_exit=int8" in first["compression"]
+    assert first["compressed"] is True
+
+
+@pytest.mark.e2e
+def test_a_resume_keeps_the_decision_and_reprobe_re_decides(auto_runs):
+    r = auto_runs["fast"]
+    write(r["profile"], SLOW)  # the profile file now argues for compressing
+    steps_before = sorted(os.listdir(os.path.join(r["workdir"], "checkpoints")))
+    again = _train(r["workdir"], "--config.compression.auto=reprobe",
+                   f"--config.compression.profile={r['profile']}", "--config.train.steps=6")
+    assert again.returncode == 2
+    assert again.stderr.count("\n") == 1
+    assert again.stderr.startswith("train.py: error: compression.auto='reprobe' chose ")
+    assert "data.grad=int4:rot (checkpoint: none)" in again.stderr
+    assert sorted(os.listdir(os.path.join(r["workdir"], "checkpoints"))) == steps_before
+    assert len(_auto_records(r["workdir"])) == 1
+
+    kept = _train(r["workdir"], f"--config.compression.profile={r['profile']}",
+                  "--config.train.steps=6")
+    assert kept.returncode == 0, kept.stderr[-3000:]
+    first, second = _auto_records(r["workdir"])
+    assert auto.overrides(second) == auto.overrides(first)
+    assert set(auto.overrides(second).values()) == {"none"}
+    assert second["profile"] == FAST.to_dict()  # the saved profile, not the file's
+    assert second["source"] == "kept from the checkpoint of step 4"
+    assert "kept from the checkpoint of step 4" in kept.stdout
+    assert max(x.get("step", 0) for x in _records(r["workdir"])) == 6
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("arg,named", [
+    ("--config.compression.profile=/no/such/profile.json",
+     "compression.profile='/no/such/profile.json': No such file"),
+    ("--config.compression.budget=grad=int2", "compression.budget='grad=int2'"),
+    ("--config.compression.overlap=1.5", "compression.overlap=1.5"),
+    ("--config.compression.data.grad=int8", "compression.data.grad='int8'"),
+])
+def test_bad_auto_input_is_one_line_exit_2_and_nothing_written(tmp_path, arg, named):
+    workdir = tmp_path / "w"
+    r = _train(str(workdir), arg, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"train.py: error: {named}")
+    assert not workdir.exists()
