@@ -381,7 +381,8 @@ def summarize(records: list[dict]) -> dict:
     repeated steps count once, the last written)."""
     last = {}
     for r in records:
-        last[r["step"]] = r
+        if "step" in r:  # compression.auto's decision is a record without one
+            last[r["step"]] = r
     steps = sorted(last)
     if not steps:
         raise ValueError("metrics hold no records")

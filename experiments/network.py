@@ -126,6 +126,10 @@ POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those 
     # The same with SparseLoCo's pseudo-gradients: top-k 3% with error feedback.
     "sparseloco": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER,
                    "outer.codec": "topk:0.03", "outer.error_feedback": "on"},
+    # compression.auto: the codec per axis and kind chosen at start from a probe of
+    # the run's own mesh (jcomp.train.auto); auto_perhop on the two-hop mesh.
+    "auto": {"policy": "baseline", "auto": "on"},
+    "auto_perhop": {"policy": "baseline", "mesh.dcn_data": "2", "auto": "on"},
 }
 
 
@@ -198,7 +202,8 @@ def launch(ns: Namespace, settings: dict, workdir: str, timeout: float, port: in
             if new:
                 reading = (ns.counters(), time.monotonic() - t0)
                 for r in new:
-                    marks[r["step"]] = reading
+                    if "step" in r:  # not compression.auto's decision record
+                        marks[r["step"]] = reading
                 records += new
             codes = [p.poll() for p in procs]
             if all(c is not None for c in codes):
@@ -228,8 +233,11 @@ def launch(ns: Namespace, settings: dict, workdir: str, timeout: float, port: in
 
 def summarize(raw: dict, warm_steps: int) -> dict:
     """A row's figures from launch()'s measurements (see the module doc)."""
-    by_step = {}
+    by_step, auto = {}, None
     for r in raw["records"]:
+        if "step" not in r:
+            auto = r.get("auto", auto)  # compression.auto's decision, logged first
+            continue
         by_step[r["step"]] = {**by_step.get(r["step"], {}), **r}
     steps = sorted(by_step)
     last = steps[-1]
@@ -279,7 +287,17 @@ def summarize(raw: dict, warm_steps: int) -> dict:
         startup_bytes=marks[steps[0]][0][0] - raw["before"][0] if steps[0] in marks else None,
         after_last_step_bytes=raw["after"][0] - marks[last][0][0] if last in marks else None,
         wall_s=raw["wall_s"], first_step_at_s=marks[steps[0]][1] if steps[0] in marks else None,
-        **_outer_figures(by_step, static, window, dict(zip(window, deltas)), devices))
+        **_outer_figures(by_step, static, window, dict(zip(window, deltas)), devices),
+        **({"auto": _auto_figures(auto)} if auto else {}))
+
+
+def _auto_figures(decision: dict) -> dict:
+    """What compression.auto chose for a row: per entry the codec and the link it
+    priced, and the predicted communication seconds per step against raw."""
+    return dict(codecs={e: v["codec"] for e, v in decision["entries"].items()},
+                links={e: [v["latency_s"], v["bytes_per_s"]]
+                       for e, v in decision["entries"].items()},
+                predicted_s=decision["seconds"], predicted_raw_s=decision["raw_seconds"])
 
 
 def _outer_figures(by_step, static, window, delta, devices) -> dict:

@@ -71,7 +71,8 @@ def _decode(x):
 
 def from_folder(run_dir: str) -> dict:
     """The runs.jsonl entry of one run folder (which must hold a metrics.jsonl)."""
-    records = [{k: r[k] for k in FIELDS if k in r} for r in metrics_lib.read_metrics(run_dir)]
+    records = [{k: r[k] for k in FIELDS if k in r} for r in metrics_lib.read_metrics(run_dir)
+               if "step" in r]  # a step's record; compression.auto's decision has none
     entry = dict(run=os.path.basename(os.path.normpath(run_dir)), git_commit=None)
     commit = os.path.join(run_dir, COMMIT_FILE)
     if os.path.exists(commit):

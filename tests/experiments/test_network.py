@@ -132,6 +132,28 @@ def test_a_sync_s_bytes_on_the_link_are_its_steps_excess_over_a_plain_step():
     assert net._outer_figures(by_step, {}, [2], delta, devices=8) == {}  # every-step run
 
 
+def test_a_row_of_compression_auto_keeps_its_decision_and_its_steps():
+    """compression.auto's first metrics record has no step: the row's figures come
+    from the step records as for any policy, and the row carries the decision
+    (the codec and link per entry, the predicted seconds against raw)."""
+    decision = {"seconds": 0.2, "raw_seconds": 0.5, "entries": {
+        "data.grad": {"codec": "int4:rot", "latency_s": 1e-4, "bytes_per_s": 1.2e7},
+        "data.param": {"codec": "int8", "latency_s": 1e-4, "bytes_per_s": 1.2e7}}}
+    steps = [{"step": s, "step_time_s": 0.1 * s, "loss": 5.0 - s, "wire_bytes_total": 100.0,
+              "devices": 8} for s in range(1, 5)]
+    marks = {s: ((1000 * s, 10 * s, 0), 0.1 * s) for s in range(1, 5)}
+    raw = dict(records=[{"auto": decision}] + steps, marks=marks, before=(0, 0, 0),
+               after=(5000, 50, 0), wall_s=3.0, header_bytes=66)
+    plain = net.summarize(dict(raw, records=steps), warm_steps=1)
+    row = net.summarize(raw, warm_steps=1)
+    assert {k: v for k, v in row.items() if k != "auto"} == plain
+    assert row["auto"] == {"codecs": {"data.grad": "int4:rot", "data.param": "int8"},
+                           "links": {"data.grad": [1e-4, 1.2e7], "data.param": [1e-4, 1.2e7]},
+                           "predicted_s": 0.2, "predicted_raw_s": 0.5}
+    assert net._flags("auto", {}) == ["--config.compression.policy=baseline",
+                                      "--config.compression.auto=on"]
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(bool(_namespaces_unavailable()), reason=str(_namespaces_unavailable()))
 def test_kernel_bytes_on_a_throttled_link_track_the_meter(tmp_path):

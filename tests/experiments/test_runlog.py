@@ -86,6 +86,18 @@ def test_runs_jsonl_keeps_the_read_fields_of_every_record(study):
     assert math.isnan(runlog.read(study)[entries[0]["run"]]["records"][-2]["loss"])
 
 
+def test_a_record_without_a_step_is_left_out(study):
+    """compression.auto's decision, the first record of its runs, has no step: the
+    summary keeps the step records only, and reads back as before."""
+    run = next(d for d in study.iterdir() if d.is_dir())
+    metrics = run / "metrics.jsonl"
+    before = runlog.from_folder(str(run))["records"]
+    metrics.write_text(json.dumps({"auto": {"seconds": 0.1}}) + "\n" + metrics.read_text())
+    assert runlog.from_folder(str(run))["records"] == before
+    runlog.write(study)
+    assert runlog.read(study)[run.name]["records"][0]["step"] == 1
+
+
 def test_plots_from_runs_jsonl_equal_plots_of_the_run_folders(study, tmp_path):
     """The same PNG, labels included, as jcomp.train.metrics.plot draws from the folders."""
     first = [r for r in _collect(study) if r["seed"] == 0]
