@@ -86,7 +86,7 @@ def psum(x, axis_name, *, codec="none", bwd_codec=None, key=None, rows="independ
         return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
     if axis_index_groups is not None:
         raise ValueError("axis_index_groups is not supported with a codec per axis")
-    arguments.check_floating(x, dict(codec) if isinstance(codec, Mapping) else codec)
+    arguments.check_floating(x, {a: str(c) for a, c in fwd.items()})
     for c in (*fwd.values(), *bwd.values()):
         arguments.check_key(key, c)
     cpu.check_scheduler(f"psum over {axes} hop by hop")
