@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jcomp.train import metrics
+from jcomp.train import metrics, profiler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,12 +49,12 @@ def test_writer_puts_numeric_metrics_in_tensorboard(tmp_path):
 
 
 def test_profile_steps_spec():
-    assert metrics.parse_profile_steps("", 10) is None
-    assert metrics.parse_profile_steps("3-5", 10) == (3, 5)
-    assert metrics.parse_profile_steps("4-4", 4) == (4, 4)
+    assert profiler.parse_profile_steps("", 10) is None
+    assert profiler.parse_profile_steps("3-5", 10) == (3, 5)
+    assert profiler.parse_profile_steps("4-4", 4) == (4, 4)
     for bad in ("5", "5-3", "0-2", "2-11", "a-b", "1-2-3", "-3"):
         with pytest.raises(ValueError, match="train.profile_steps"):
-            metrics.parse_profile_steps(bad, 10)
+            profiler.parse_profile_steps(bad, 10)
 
 
 @pytest.mark.e2e
