@@ -36,6 +36,7 @@ from jcomp.train import hooks as hooks_lib
 from jcomp.gpt import mesh as mesh_lib
 from jcomp.train import metrics as metrics_lib
 from jcomp.train import outer as outer_lib
+from jcomp.train import profiler as profiler_lib
 from jcomp.train import traffic
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.gpt import step as step_lib
@@ -138,7 +139,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     except OSError as e:
         raise faults.write_failed(f"opening {metrics_path}", ckpt.latest_step(), e.strerror,
                                   e.errno == errno.ENOSPC) from None
-    profiler = metrics_lib.StepProfiler(
+    profiler = profiler_lib.StepProfiler(
         run.train.profile_steps, os.path.join(workdir, "profile", f"process{jax.process_index()}"))
     t = run.train
     tokens_per_step = t.batch_size * run.data.seq_len

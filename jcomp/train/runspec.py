@@ -26,7 +26,7 @@ from jcomp.gpt import model as gpt
 from jcomp.gpt import policy as policy_lib
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.train import faults
-from jcomp.train import metrics as metrics_lib
+from jcomp.train import profiler
 from jcomp.train import outer as outer_lib
 
 UsageError = faults.UsageError  # a configuration or input the user must fix
@@ -283,7 +283,7 @@ def validate(cfg, n_devices: int) -> RunSpec:
     if cfg.train.nonfinite not in ("skip", "stop"):
         raise UsageError(f"train.nonfinite={cfg.train.nonfinite!r}; allowed: skip, stop")
     try:
-        profile_steps = metrics_lib.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps)
+        profile_steps = profiler.parse_profile_steps(cfg.train.profile_steps, cfg.train.steps)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if cfg.data.seq_len > model_cfg.max_seq_len:
