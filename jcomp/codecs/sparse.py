@@ -26,7 +26,7 @@ def _num_kept(fraction: float, c: int) -> int:
     return min(max(k, 1), c)
 
 
-def _top_k_indices(score_RxC, k: int):
+def top_k_indices(score_RxC, k: int):
     """Indices of the k largest scores of every row -> int32 (*lead, k).
 
     Scores are non-negative floats (no NaN). Ties go to the lower index, as in
@@ -110,7 +110,7 @@ class _Sparse:
         x = _as_rows(jnp.asarray(x))
         _check_float(x, self.name)
         k = _num_kept(self.fraction, x.shape[-1])
-        idx = _top_k_indices(self._scores(x, key), k)
+        idx = top_k_indices(self._scores(x, key), k)
         values = jnp.take_along_axis(x, idx, axis=-1)
         # More non-finite entries than k: some cannot be sent, and they would
         # decode as zeros. The row's kept values go NaN instead, so the loss turns

@@ -34,12 +34,13 @@ from jcomp.collectives.rank import rank_key  # noqa: F401
 from jcomp.collectives.hops import (  # noqa: F401,F811  (a codec per mesh axis)
     all_gather, pmean, psum, psum_ef, psum_scatter)
 from jcomp.collectives.outer import OuterState, outer_init, outer_sync  # noqa: F401
+from jcomp.collectives.sparseloco import SparseLoCo  # noqa: F401
 
 __all__ = [
     "psum", "pmean", "psum_scatter", "all_gather", "ppermute", "all_to_all",
     "copy_to_parallel", "reduce_from_parallel", "psum_ef", "psum_scatter_ef", "vary",
     "value_and_grad", "scatter_specs", "gather_params", "rank_key",
-    "outer_init", "outer_sync", "OuterState",
+    "outer_init", "outer_sync", "OuterState", "SparseLoCo",
     "REMAT_NAMES", "DEFAULT_BUCKET_BYTES", "RAW_SCOPE", "RawSendWarning", "ROWS",
     "ExtraBytesWarning",
 ]

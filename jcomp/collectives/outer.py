@@ -51,7 +51,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import arguments, hops, rowlayout
+from jcomp.collectives import arguments, hops, rowlayout, sparseloco
 from jcomp.collectives.jitspecs import axes_in
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
 
@@ -108,8 +108,10 @@ def outer_sync(params_IxX, state: OuterState, *, tx, mesh, axis: str, codec="non
     hold the same copy of a leaf send a piece each. state: from `outer_init`.
     tx: the outer optimizer whose state `state.opt_state` is. codec: any jcomp
     codec for the pseudo-gradients (in the parameters' dtype) that cross
-    `axis`. With `state.residual` (error feedback) each island sends
-    codec(pseudo-gradient + residual) and keeps what that dropped. rows:
+    `axis`, or a `cc.SparseLoCo` (chunked top-k, 2-bit values, a decaying
+    residual: `state.residual` required). With `state.residual` (error
+    feedback) each island sends codec(pseudo-gradient + residual) and keeps
+    what that dropped. rows:
     "flat" (the default: pseudo-gradients are parameter buffers, where no row
     is a token, so each leaf's piece codes as one vector and fewer scales
     travel; leaves never share a block) or "independent" (every vector along a
@@ -121,6 +123,9 @@ def outer_sync(params_IxX, state: OuterState, *, tx, mesh, axis: str, codec="non
     _check_args(params_IxX, state, mesh, axis)
     specs = _check_specs(param_specs, params_IxX, "params_IxX", 1, mesh, axis)
     arguments.check_rows(rows)
+    if isinstance(codec, sparseloco.SparseLoCo) and state.residual is None:
+        raise ValueError("codec SparseLoCo keeps a residual per island: make the state with "
+                         "cc.outer_init(..., error_feedback=True)")
     delta_IxX = jax.tree.map(lambda a, p: a[None].astype(p.dtype) - p, state.anchor, params_IxX)
     mean, residual = _average(delta_IxX, state.residual, specs, mesh, axis, codec, rows, key,
                               bucket_bytes)
@@ -176,7 +181,10 @@ def _average(delta_IxX, residual_IxX, specs, mesh, axis, codec, rows, key, bucke
                 d, r = (None if x is None else _piece(x, rep, rows) for x in (d, r))
             pieces.append(d)
             res_pieces.append(r)
-        if fed:
+        if isinstance(codec, sparseloco.SparseLoCo):
+            means, lost = zip(*(sparseloco.average(p, r, axis, codec)
+                                for p, r in zip(pieces, res_pieces)))
+        elif fed:
             # psum_ef's residual is in the summands' units: average after the sum.
             totals, lost = hops.psum_ef(pieces, res_pieces, axis, **kw)
             means = [t / mesh.shape[axis] for t in totals]

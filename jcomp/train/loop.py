@@ -36,6 +36,7 @@ from jcomp.train import hooks as hooks_lib
 from jcomp.gpt import mesh as mesh_lib
 from jcomp.train import metrics as metrics_lib
 from jcomp.train import outer as outer_lib
+from jcomp.train import outerconfig
 from jcomp.train import profiler as profiler_lib
 from jcomp.train import traffic
 from jcomp.gpt import schedule as schedule_lib
@@ -183,7 +184,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                 _log.warning("step %d: error-feedback residual norm %.4g exceeds "
                              "train.ef_reset_norm=%g: residuals reset to zero",
                              done, record["ef_norm"], t.ef_reset_norm)
-            for f in outer_lib.due(done, run.outer):
+            for f in outerconfig.due(done, run.outer):
                 state, seconds = syncs.run_sync(f, state, done)
                 record.update(outer_fragment=f, outer_sync_s=seconds,
                               outer_bytes_per_sync=syncs.bytes_per_sync[f],
@@ -207,9 +208,14 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                               record["compression_changes"])
                 logged_phase = phase
             if val and (done % t.eval_every == 0 or done == t.steps):
-                record["val_loss"] = steps.val_loss(None, state["params"], val)
+                # An outer run's model is the anchor (the global one); the islands'
+                # own params are logged beside it.
+                model = syncs.global_params(state) if syncs else state["params"]
+                record["val_loss"] = steps.val_loss(None, model, val)
+                if syncs:
+                    record["val_loss_islands"] = steps.val_loss(None, state["params"], val)
                 if steps.forward_compressed(phase):
-                    record["val_loss_compressed"] = steps.val_loss(phase, state["params"], val)
+                    record["val_loss_compressed"] = steps.val_loss(phase, model, val)
             if writer and steprecord.due(record, done, t.log_every, t.steps):
                 _append(writer, record, metrics_path, done, ckpt)
             bar.update(done, loss=loss, tokens_per_s=record["tokens_per_s"], bytes_per_step=sent)

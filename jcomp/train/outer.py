@@ -1,10 +1,11 @@
 """The outer loop of low-communication training (DiLoCo, Streaming DiLoCo) in
-the trainer: config.outer, the islands' train state and the sync program.
+the trainer: the islands' train state and the sync program (config.outer is
+read by `jcomp.train.outerconfig`).
 
-    outer = settings(cfg.outer)             # UsageError naming the field, or None (off)
+    outer = outerconfig.settings(cfg.outer)   # UsageError naming the field, or None (off)
     state = lift(step.init_state(...), run, mesh, shapes, tx)  # islands' copies + outer state
     syncs = Syncs(run, mesh, shapes, tx)
-    for f in due(done, outer):                    # after inner step `done`
+    for f in outerconfig.due(done, outer):    # after inner step `done`
         state, seconds = syncs.run_sync(f, state, done)
 
 Islands. The mesh is ('dcn', 'data', 'tensor', 'pipeline'): each index of
@@ -26,147 +27,41 @@ moments) is kept. The outer state is a part of the train state
 (state["outer"]: "anchor" and "residual" laid out as the master, "opt" one
 outer-optimizer state per fragment) and so checkpointed with it.
 
-Fragments (outer.fragments = F, Streaming DiLoCo): the master's leaves, in
-tree order, are cut into F consecutive groups of about equal bytes; fragment f
-syncs after the inner steps n with n % H == f * H / F (H = outer.every).
+Fragments (outer.fragments = F, Streaming DiLoCo): contiguous blocks of
+transformer layers, the embedding with the first and the final norm with the
+last (`jcomp.train.fragments`); fragment f syncs after the inner steps n with
+n % H == f * H / F (H = outer.every). The global model is the anchor
+(`Syncs.global_params`): the loop evaluates it as val_loss, beside the
+islands' own params (val_loss_islands).
+
+outer.codec="sparseloco[:k=K][:chunk=C][:beta=B]" is SparseLoCo
+(`jcomp.collectives.sparseloco`): chunked top-k, 2-bit values, a decaying
+residual per island, no outer momentum. config.outer is read in
+`jcomp.train.outerconfig`.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import textwrap
 import time
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcomp import codecs
 from jcomp import collectives as cc
 from jcomp.gpt import sharding, step, zero
 from jcomp.meter import wire
+from jcomp.train import fragments
 from jcomp.train.faults import UsageError
 from jcomp.train.traffic import WIDTH, human
 
 AXIS = "dcn"  # the islands' mesh axis
-FIELDS = ("every", "codec", "error_feedback", "lr", "momentum", "fragments")
-# configs/base.py's outer.*: with every=0 (off) every other field must keep its default.
-DEFAULTS = {"every": 0, "codec": "none", "error_feedback": "off", "lr": 1.0, "momentum": 0.0,
-            "fragments": 1}
 # Codecs that draw (":sr", randk) get fold_in(fold_in(key(seed), KEY_STREAM), step):
 # a stream apart from the inner step's, a pure function of the step (resumes draw alike).
 KEY_STREAM = 0x5D1
-
-
-@dataclasses.dataclass(frozen=True)
-class OuterSettings:
-    """config.outer, checked (`settings`)."""
-
-    every: int           # H: inner steps between two syncs of a fragment
-    codec: str           # the pseudo-gradient's codec across islands
-    error_feedback: bool
-    lr: float
-    momentum: float      # Nesterov momentum; 0: none
-    fragments: int = 1
-
-    def tx(self):
-        """DiLoCo's outer optimizer: SGD, Nesterov momentum where momentum > 0."""
-        m = self.momentum
-        return optax.sgd(self.lr, momentum=m or None, nesterov=m > 0)
-
-    def record(self) -> dict:
-        """What a checkpoint records of them (a resume must not change any)."""
-        return {"every": self.every, "codec": self.codec,
-                "error_feedback": "on" if self.error_feedback else "off",
-                "lr": self.lr, "momentum": self.momentum, "fragments": self.fragments}
-
-
-def settings(o) -> OuterSettings | None:
-    """config.outer -> OuterSettings, or None where outer.every = 0 (off).
-    UsageError naming the field and what is allowed; with every = 0 any other
-    field away from its default (DEFAULTS) is refused as unused."""
-    if o is None:
-        return None
-    every = o.get("every", 0)
-    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-        raise UsageError(f"outer.every={every!r}; allowed: an integer >= 0 (0: no outer loop)")
-    if every == 0:
-        _check_unused(o)
-        return None
-    fragments = o.get("fragments", 1)
-    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise UsageError(f"outer.fragments={fragments!r}; allowed: an integer >= 1")
-    if every % fragments:
-        raise UsageError(f"outer.fragments={fragments} does not divide outer.every={every}; "
-                         "allowed: a divisor of outer.every (fragment f syncs at steps "
-                         "n % every == f * every / fragments)")
-    for name, low, high, text in (("lr", 0, None, "> 0"), ("momentum", 0, 1, "in [0, 1)")):
-        v = o.get(name)
-        ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-              and (v > low if high is None else low <= v < high))
-        if not ok:
-            raise UsageError(f"outer.{name}={v!r}; allowed: a number {text}")
-    spec = o.get("codec", "none")
-    try:
-        codec = codecs.parse(spec)
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"outer.codec={spec!r}: {e}") from None
-    if codec.kind in ("lowrank", "learned"):
-        raise UsageError(f"outer.codec={spec!r}: the pseudo-gradient takes an elementwise or "
-                         "sparse codec (none, bf16, int8, int4:rot, topk:F, ...), not "
-                         f"{codec.kind} (powersgd, ae)")
-    ef = o.get("error_feedback", "off")
-    if ef not in ("on", "off"):
-        raise UsageError(f"outer.error_feedback={ef!r}; allowed: on, off")
-    if ef == "on" and codec.kind == "identity":
-        raise UsageError(f"outer.error_feedback='on' has nothing to feed back: outer.codec="
-                         f"{spec!r} is lossless; set a lossy codec (e.g. topk:0.03) or 'off'")
-    return OuterSettings(every=every, codec=str(spec), error_feedback=ef == "on",
-                         lr=float(o.lr), momentum=float(o.momentum), fragments=fragments)
-
-
-def _check_unused(o):
-    """With outer.every=0 no outer loop runs: a field set away from its default
-    would be ignored, so it is refused (as compression.dcn.* without a split)."""
-    for name in FIELDS[1:]:
-        v, default = o.get(name, DEFAULTS[name]), DEFAULTS[name]
-        if isinstance(v, bool) or v != default:
-            raise UsageError(f"outer.{name}={v!r} applies to an outer loop only, and "
-                             "outer.every=0 runs none; set outer.every > 0, or leave "
-                             f"outer.{name} at its default {default!r}")
-
-
-def due(done: int, outer: OuterSettings) -> list[int]:
-    """The fragments that sync after inner step `done` (1-based)."""
-    if outer is None:
-        return []
-    stride = outer.every // outer.fragments
-    r = done % outer.every
-    return [r // stride] if r % stride == 0 else []
-
-
-def fragments(sizes: list[int], n: int) -> list[list[int]]:
-    """Leaf indices cut into `n` consecutive, non-empty groups of about equal
-    total size (`sizes`: each leaf's bytes, in tree order): leaf i goes to the
-    group its middle byte falls in. ValueError if there are fewer leaves than n."""
-    if len(sizes) < n:
-        raise ValueError(f"outer.fragments={n}: the model has only {len(sizes)} parameter "
-                         f"leaves to group; allowed: 1 to {len(sizes)}")
-    total, before, groups = sum(sizes), 0, []
-    for i, s in enumerate(sizes):
-        g = min(int((before + s / 2) * n // total), n - 1)
-        g = max(g, len(groups) - 1 if groups else 0)
-        g = min(g, len(groups))                  # never skip a group
-        g = max(g, n - (len(sizes) - i))         # leave a leaf for every later group
-        if g == len(groups):
-            groups.append([])
-        groups[g].append(i)
-        before += s
-    return groups
 
 
 # ------------------------------------------------------------------ the state
@@ -183,26 +78,53 @@ def _opt_specs(tx_outer, zspec_leaves):
                                  is_leaf=lambda x: isinstance(x, P))
 
 
-def groups_of(run, params_shapes, mesh, tx) -> list[list[int]]:
-    """The fragments' master-leaf indices (`fragments` over the master's bytes)."""
-    abstract = step.abstract_state(params_shapes, mesh, tx, run.zero)["zero"]["master"]
-    sizes = [math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(abstract)]
+def plan_of(run, params_shapes) -> list[list[fragments.Part]]:
+    """The fragments' parts (`jcomp.train.fragments.plan`): blocks of layers."""
     try:
-        return fragments(sizes, run.outer.fragments)
+        return fragments.plan(params_shapes, run.outer.fragments)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
-def _outer_specs(run, zspecs, groups):
+def _parts(run, params_shapes, mesh, tx, parts):
+    """-> [(shape, dtype, spec)] of each part's anchor (no island dimension): a
+    whole leaf as the master stores it, a slice in the parameter's layout."""
+    abstract = jax.tree.leaves(
+        step.abstract_state(params_shapes, mesh, tx, run.zero)["zero"]["master"])
+    specs, zspecs = _master_specs(run, params_shapes, tx)
+    zleaves = jax.tree.leaves(zspecs, is_leaf=_is_spec)
+    pleaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+    shapes = jax.tree.leaves(params_shapes)
+    out = []
+    for part in parts:
+        i = part.leaf
+        if part.layers is None:
+            out.append((abstract[i].shape, jnp.float32, zleaves[i]))
+        else:
+            n = part.layers[1] - part.layers[0]
+            out.append(((n, *shapes[i].shape[1:]), jnp.float32,
+                        fragments.slice_spec(pleaves[i], n, dict(mesh.shape))))
+    return out
+
+
+def _outer_specs(run, zspecs, infos):
     """PartitionSpecs of state["outer"]: the anchor laid out as one island's master,
-    one outer-optimizer state per fragment likewise, the residuals per island."""
-    leaves = jax.tree.leaves(zspecs, is_leaf=_is_spec)
+    one outer-optimizer state per fragment (laid out as its parts), the
+    residuals per island."""
     tx_outer = run.outer.tx()
     out = {"anchor": zspecs,
-           "opt": [_opt_specs(tx_outer, [leaves[i] for i in g]) for g in groups]}
+           "opt": [_opt_specs(tx_outer, [s for _, _, s in info]) for info in infos]}
     if run.outer.error_feedback:
         out["residual"] = step.island_specs(zspecs, AXIS)
     return out
+
+
+def _infos(run, params_shapes, mesh, tx):
+    return [_parts(run, params_shapes, mesh, tx, parts) for parts in plan_of(run, params_shapes)]
+
+
+def _opt_init(tx_outer, info):
+    return tx_outer.init([jnp.zeros(shape, dtype) for shape, dtype, _ in info])
 
 
 def lift(single, run, mesh, params_shapes, tx):
@@ -217,15 +139,14 @@ def lift(single, run, mesh, params_shapes, tx):
         lambda xs: [x[None] for x in xs], mesh=mesh, in_specs=(flat_specs,),
         out_specs=[P(AXIS, *s) for s in flat_specs]))(flat)
     state = jax.tree.unflatten(treedef, copies)
-    groups = groups_of(run, params_shapes, mesh, tx)
-    ospecs = _outer_specs(run, zspecs, groups)
+    infos = _infos(run, params_shapes, mesh, tx)
+    ospecs = _outer_specs(run, zspecs, infos)
     named = lambda s: NamedSharding(mesh, s)
     tx_outer = run.outer.tx()
 
     def make(master, master_IxX):
-        leaves = jax.tree.leaves(master)
         out = {"anchor": jax.tree.map(jnp.copy, master),
-               "opt": [tx_outer.init([leaves[i] for i in g]) for g in groups]}
+               "opt": [_opt_init(tx_outer, info) for info in infos]}
         if run.outer.error_feedback:
             out["residual"] = jax.tree.map(jnp.zeros_like, master_IxX)
         return out
@@ -247,12 +168,12 @@ def abstract_state(run, params_shapes, mesh, tx) -> dict:
         (islands,) + a.shape, a.dtype, sharding=NamedSharding(mesh, P(AXIS, *a.sharding.spec))),
         single)
     specs, zspecs = _master_specs(run, params_shapes, tx)
-    groups = groups_of(run, params_shapes, mesh, tx)
-    ospecs = _outer_specs(run, zspecs, groups)
-    master = jax.tree.leaves(single["zero"]["master"])
+    infos = _infos(run, params_shapes, mesh, tx)
+    ospecs = _outer_specs(run, zspecs, infos)
     tx_outer = run.outer.tx()
     shapes = {"anchor": single["zero"]["master"],
-              "opt": [jax.eval_shape(tx_outer.init, [master[i] for i in g]) for g in groups]}
+              "opt": [jax.eval_shape(functools.partial(_opt_init, tx_outer, info))
+                      for info in infos]}
     if run.outer.error_feedback:
         shapes["residual"] = lifted["zero"]["master"]
     outer = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
@@ -263,49 +184,74 @@ def abstract_state(run, params_shapes, mesh, tx) -> dict:
 
 # ------------------------------------------------------------------- the sync
 
-def make_sync(run, mesh, params_shapes, tx, fragment: int, groups):
-    """A jitted fn(state, step int32) -> state: fragment `fragment` of every
-    island's master synced (`cc.outer_sync`), its working params gathered anew."""
+def make_sync(run, mesh, params_shapes, tx, fragment: int):
+    """fn(state, step int32) -> state: fragment `fragment` of every island's
+    master synced (`cc.outer_sync`), its working params gathered anew. Whole
+    leaves sync in the master's layout; a block of layers in the parameters'
+    (`jcomp.train.fragments`)."""
     o = run.outer
     specs, zspecs = _master_specs(run, params_shapes, tx)
     zleaves, ztree = jax.tree.flatten(zspecs, is_leaf=_is_spec)
     pleaves = jax.tree.leaves(specs, is_leaf=_is_spec)
-    idx = groups[fragment]
+    parts = plan_of(run, params_shapes)[fragment]
+    info = _parts(run, params_shapes, mesh, tx, parts)
     tx_outer = o.tx()
-    needs_key = codecs.parse(o.codec).needs_key
+    codec = o.codec_object()
+    needs_key = getattr(codec, "needs_key", False)
     shapes = jax.tree.leaves(params_shapes)
-    sizes = dict(mesh.shape)
+    multiple = run.zero.multiple
 
-    def gather(i, master_IxX):
-        """[I, d, T', P', c] master -> [I, ...] working params of leaf i (raw over 'data')."""
-        shape = zero._local_shape(shapes[i].shape, pleaves[i], sizes)
-        dtype = shapes[i].dtype
+    def param_view(i, x, lead):
+        return fragments.to_param(x, pleaves[i], zleaves[i], shapes[i].shape, mesh,
+                                  AXIS if lead else None)
 
-        def body(m):
-            full = lax.all_gather(m[0].reshape(-1), "data", axis=0, tiled=True, to="invarying")
-            return full[:math.prod(shape)].reshape(shape).astype(dtype)[None]
-        return jax.shard_map(body, mesh=mesh, in_specs=P(AXIS, *zleaves[i]),
-                             out_specs=P(AXIS, *pleaves[i]))(master_IxX)
+    def zero_view(i, x, lead):
+        return fragments.to_zero(x, pleaves[i], zleaves[i], multiple, mesh,
+                                 AXIS if lead else None)
 
     def sync(state, step_no):
         masters = jax.tree.leaves(state["zero"]["master"])
         anchor = jax.tree.leaves(state["outer"]["anchor"])
         fed = "residual" in state["outer"]
         res = jax.tree.leaves(state["outer"]["residual"]) if fed else None
-        ost = cc.OuterState([anchor[i] for i in idx], state["outer"]["opt"][fragment],
-                            [res[i] for i in idx] if fed else None)
+        full = {}  # leaf -> (master, anchor, residual) in the parameter's layout
+
+        def cut(part):
+            i = part.leaf
+            if part.layers is None:
+                return masters[i], anchor[i], (res[i] if fed else None)
+            a, b = part.layers
+            full[i] = (param_view(i, masters[i], True), param_view(i, anchor[i], False),
+                       param_view(i, res[i], True) if fed else None)
+            m, an, r = full[i]
+            return m[:, a:b], an[a:b], (None if r is None else r[:, a:b])
+        cuts = [cut(p) for p in parts]
+        ost = cc.OuterState([c[1] for c in cuts], state["outer"]["opt"][fragment],
+                            [c[2] for c in cuts] if fed else None)
         key = (jax.random.fold_in(jax.random.fold_in(jax.random.key(run.seed), KEY_STREAM),
                                   step_no) if needs_key else None)
-        new_m, new_ost = cc.outer_sync([masters[i] for i in idx], ost, tx=tx_outer, mesh=mesh,
-                                       axis=AXIS, codec=o.codec,
-                                       param_specs=[zleaves[i] for i in idx], key=key,
+        new_m, new_ost = cc.outer_sync([c[0] for c in cuts], ost, tx=tx_outer, mesh=mesh,
+                                       axis=AXIS, codec=codec,
+                                       param_specs=[s for _, _, s in info], key=key,
                                        bucket_bytes=run.bucket_bytes)
         params, ptree = jax.tree.flatten(state["params"])
-        for j, i in enumerate(idx):
-            masters[i], anchor[i] = new_m[j], new_ost.anchor[j]
-            params[i] = gather(i, new_m[j])
+        for j, part in enumerate(parts):
+            i = part.leaf
+            if part.layers is None:
+                masters[i], anchor[i] = new_m[j], new_ost.anchor[j]
+                params[i] = _cast(param_view(i, new_m[j], True), shapes[i].dtype, pleaves[i],
+                                  mesh)
+                if fed:
+                    res[i] = new_ost.residual[j]
+                continue
+            a, b = part.layers
+            m, an, r = full[i]
+            m = m.at[:, a:b].set(new_m[j])
+            masters[i] = zero_view(i, m, True)
+            anchor[i] = zero_view(i, an.at[a:b].set(new_ost.anchor[j]), False)
+            params[i] = _cast(m, shapes[i].dtype, pleaves[i], mesh)
             if fed:
-                res[i] = new_ost.residual[j]
+                res[i] = zero_view(i, r.at[:, a:b].set(new_ost.residual[j]), True)
         opt = list(state["outer"]["opt"])
         opt[fragment] = new_ost.opt_state
         outer = {"anchor": jax.tree.unflatten(ztree, anchor), "opt": opt}
@@ -315,7 +261,32 @@ def make_sync(run, mesh, params_shapes, tx, fragment: int, groups):
         return {**state, "params": jax.tree.unflatten(ptree, params), "zero": zstate,
                 "outer": outer}
 
-    return jax.jit(sync, donate_argnums=0)
+    return sync
+
+
+def _cast(x_IxX, dtype, pspec, mesh):
+    """float32 [I, ...] in the parameter's layout -> the working params' dtype."""
+    return jax.shard_map(lambda v: v.astype(dtype), mesh=mesh, in_specs=P(AXIS, *pspec),
+                         out_specs=P(AXIS, *pspec))(x_IxX)
+
+
+def make_global_params(run, mesh, params_shapes, tx):
+    """A jitted fn(state) -> every island's copy of the anchor as working params
+    ([I, ...] in the params' dtypes): the global model, for evaluation."""
+    specs, zspecs = _master_specs(run, params_shapes, tx)
+    zleaves = jax.tree.leaves(zspecs, is_leaf=_is_spec)
+    pleaves, ptree = jax.tree.flatten(specs, is_leaf=_is_spec)
+    shapes = jax.tree.leaves(params_shapes)
+
+    def one(i, a):
+        full = fragments.to_param(a, pleaves[i], zleaves[i], shapes[i].shape, mesh)
+        return jax.shard_map(lambda v: v.astype(shapes[i].dtype)[None], mesh=mesh,
+                             in_specs=pleaves[i], out_specs=P(AXIS, *pleaves[i]))(full)
+
+    def fn(state):
+        anchor = jax.tree.leaves(state["outer"]["anchor"])
+        return jax.tree.unflatten(ptree, [one(i, a) for i, a in enumerate(anchor)])
+    return jax.jit(fn)
 
 
 class Syncs:
@@ -324,8 +295,9 @@ class Syncs:
 
     def __init__(self, run, mesh, params_shapes, tx):
         self.run, self.mesh, self.shapes, self.tx = run, mesh, params_shapes, tx
-        self.groups = groups_of(run, params_shapes, mesh, tx)
+        self.plan = plan_of(run, params_shapes)
         self._exe: list = []
+        self._global = None
         self.bytes_per_sync: list[float] = []  # per fragment, sent per device across islands
 
     def prepare(self, state):
@@ -347,8 +319,11 @@ class Syncs:
     def _compile(self, state):
         step_no = jnp.zeros((), jnp.int32)
         for f in range(self.run.outer.fragments):
-            fn = make_sync(self.run, self.mesh, self.shapes, self.tx, f, self.groups)
-            exe = fn.lower(state, step_no).compile()
+            fn = make_sync(self.run, self.mesh, self.shapes, self.tx, f)
+            # The state keeps its layout, so that the compiled train step takes it.
+            keep = jax.tree.map(lambda x: x.sharding, state)
+            exe = jax.jit(fn, donate_argnums=0, out_shardings=keep).lower(
+                state, step_no).compile()
             self._exe.append(exe)
             self.bytes_per_sync.append(float(
                 wire.measure_compiled(exe, self.mesh).by_axis().get(AXIS, 0.0)))
@@ -365,6 +340,12 @@ class Syncs:
         state = self._exe[fragment](state, jnp.asarray(done, jnp.int32))
         jax.block_until_ready(state)
         return state, time.perf_counter() - t0
+
+    def global_params(self, state):
+        """The global model (the anchor) as every island's working params."""
+        if self._global is None:
+            self._global = make_global_params(self.run, self.mesh, self.shapes, self.tx)
+        return self._global(state)
 
 
 @functools.cache

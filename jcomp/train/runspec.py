@@ -15,7 +15,6 @@ the last phase's plan), never a policy or a codec spec string.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import numpy as np
@@ -27,7 +26,9 @@ from jcomp.gpt import policy as policy_lib
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.train import faults
 from jcomp.train import profiler
+from jcomp.train import fragments as fragments_lib
 from jcomp.train import outer as outer_lib
+from jcomp.train import outerconfig
 
 UsageError = faults.UsageError  # a configuration or input the user must fix
 
@@ -110,7 +111,7 @@ class RunSpec:
     seed: int
     bucket_bytes: int          # the optimizer's flat buffers, at least 1 byte
     dcn_data: int = 1          # slow-hop groups the data axis is split into (mesh.dcn_data)
-    outer: outer_lib.OuterSettings | None = None  # config.outer; None: no outer loop
+    outer: outerconfig.OuterSettings | None = None  # config.outer; None: no outer loop
 
     @property
     def islands(self) -> int:
@@ -248,7 +249,7 @@ def validate(cfg, n_devices: int) -> RunSpec:
     except (TypeError, ValueError) as e:
         raise UsageError(f"mesh: {e}") from None
     _check_dcn_data(dcn_data, shape[0])
-    outer = outer_lib.settings(cfg.get("outer"))
+    outer = outerconfig.settings(cfg.get("outer"))
     split = _islands(cfg, outer, shape, dcn_data) if outer else dcn_data
     try:
         mesh_shape = mesh_lib.axis_sizes(shape, split)
@@ -353,13 +354,12 @@ def _check_dcn_data(dcn_data, data: int):
 
 
 def _check_fragments(outer, model_cfg, pol):
-    """outer.fragments groups the parameter leaves (`outer_lib.fragments`): the
-    leaves counted from the model's abstract init, nothing compiled."""
+    """outer.fragments cuts the layers into blocks (`jcomp.train.fragments`):
+    checked on the model's abstract init, nothing compiled."""
     shapes = jax.eval_shape(lambda: gpt.init_params(model_cfg, jax.random.key(0),
                                                     coders=autoencoder.coders(pol)))
-    sizes = [math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(shapes)]
     try:
-        outer_lib.fragments(sizes, outer.fragments)
+        fragments_lib.plan(shapes, outer.fragments)
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -303,7 +303,7 @@ def test_sparse_selection_matches_lax_top_k_with_ties(fraction):
     k = sparse._num_kept(fraction, 2000)
     for score in (ties, spread):
         want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(score), k)[1]), axis=-1)
-        got = jax.jit(lambda s: sparse._top_k_indices(s, k))(jnp.asarray(score))
+        got = jax.jit(lambda s: sparse.top_k_indices(s, k))(jnp.asarray(score))
         np.testing.assert_array_equal(np.sort(np.asarray(got), axis=-1), want)
 
 

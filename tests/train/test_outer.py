@@ -7,8 +7,9 @@ import jax
 import numpy as np
 import pytest
 
+from jcomp.collectives.sparseloco import SparseLoCo
 from jcomp.gpt import mesh as mesh_lib
-from jcomp.train import outer, resume, runspec
+from jcomp.train import fragments, outer, outerconfig, resume, runspec
 from jcomp.train.stepcache import StepCache, global_batch
 from tests.train.tinyconfig import tiny_config
 
@@ -46,7 +47,7 @@ class _Run:
         jax.block_until_ready(m)
         self.state = {**inner, "outer": self.state["outer"]} if self.syncs else inner
         self.done += 1
-        for f in outer.due(self.done, self.run.outer):
+        for f in outerconfig.due(self.done, self.run.outer):
             self.state, _ = self.syncs.run_sync(f, self.state, self.done)
         return report
 
@@ -109,52 +110,55 @@ def test_inner_steps_send_nothing_across_islands_and_a_sync_sends_the_codec():
             assert np.array_equal(p[0], p[1])
 
 
-@pytest.mark.slow  # compiles whole train steps and syncs
-def test_fragments_sync_in_turn():
-    """outer.fragments=2, every=2: fragment 0 syncs after steps 2, 4, fragment 1
-    after steps 1, 3. A master leaf's anchor changes only at its fragment's
-    syncs, and then every island's master of it equals the anchor, bit for bit;
-    the other fragment's leaves keep differing across the islands."""
-    r = _Run(**{"outer.every": 2, "outer.fragments": 2, "optim.warmup_steps": 0})
-    groups = r.syncs.groups
-    assert len(groups) == 2 and sorted(sum(groups, [])) == list(range(sum(map(len, groups))))
-    anchor = jax.tree.leaves(_np(r.state["outer"]["anchor"]))
-    for t in range(1, 5):
-        r.step(t)
-        now = jax.tree.leaves(_np(r.state["outer"]["anchor"]))
-        master = jax.tree.leaves(_np(r.state["zero"]["master"]))
-        synced = 1 if t % 2 else 0
-        for f, group in enumerate(groups):
-            for i in group:
-                moved = not np.array_equal(now[i], anchor[i])
-                if f == synced:
-                    assert moved, (t, i)
-                    assert np.array_equal(master[i][0], now[i]), (t, i)
-                    assert np.array_equal(master[i][1], now[i]), (t, i)
-                else:
-                    assert not moved, (t, i)
-                    assert not np.array_equal(master[i][0], master[i][1]), (t, i)
-        anchor = now
+def test_layer_blocks_are_contiguous_and_balanced_within_a_layer():
+    """Every block has a layer; each further layer joins the lightest block (the
+    embedding counted in the first, the final norm in the last)."""
+    assert fragments.blocks(0, 10, 0, 4, 2) == [(0, 2), (2, 4)]
+    assert fragments.blocks(25, 10, 0, 4, 2) == [(0, 1), (1, 4)]   # a large embedding
+    assert fragments.blocks(1000, 10, 0, 3, 3) == [(0, 1), (1, 2), (2, 3)]
+    assert fragments.blocks(4, 10, 1, 8, 5) == [(0, 1), (1, 3), (3, 5), (5, 7), (7, 8)]
+    with pytest.raises(ValueError, match="outer.fragments=3: the model has only 2 layers"):
+        fragments.blocks(0, 1, 0, 2, 3)
 
 
-def test_fragments_are_consecutive_groups_of_about_equal_bytes():
-    """Leaf i joins the group its middle byte falls in; no group is empty."""
-    assert outer.fragments([4, 4, 4, 4], 2) == [[0, 1], [2, 3]]
-    assert outer.fragments([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
-    assert outer.fragments([1, 1, 1, 100], 3) == [[0, 1], [2], [3]]  # a leaf for each group
-    for sizes, n in (([5] * 7, 3), ([1, 9, 1, 9, 1], 4), ([3], 1)):
-        g = outer.fragments(sizes, n)
-        assert len(g) == n and all(g) and sum(g, []) == list(range(len(sizes)))
-    with pytest.raises(ValueError, match="outer.fragments=3: the model has only 2"):
-        outer.fragments([1, 1], 3)
+@pytest.mark.parametrize("n_layers,n", [(2, 2), (6, 3), (6, 4), (8, 5)])
+def test_fragments_are_blocks_of_layers_of_equal_bytes(n_layers, n):
+    """On the model's real parameter tree: each fragment is a contiguous block of
+    layers (one slice [a, b) of every stacked layer leaf), the blocks cover the
+    layers once, the embedding goes whole with the first fragment, the final
+    norm with the last, and the fragments' bytes differ by at most one layer's."""
+    run = runspec.validate(tiny_config(**{"model.n_layers": n_layers, "model.d_model": 64,
+                                          "model.vocab_size": 64}), 8)
+    shapes = jax.eval_shape(resume.init_params(run))
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+    plan = fragments.plan(shapes, n)
+    layer_leaves = {i for i, name in enumerate(names) if name.startswith("['layers']")}
+    covered = []
+    for f, parts in enumerate(plan):
+        blocks = {p.layers for p in parts if p.layers is not None}
+        assert len(blocks) == 1, blocks
+        assert {p.leaf for p in parts if p.layers is not None} == layer_leaves
+        covered.append(blocks.pop())
+        whole = {names[p.leaf] for p in parts if p.layers is None}
+        if f == 0:
+            assert "['embed']" in whole
+        if f == n - 1:
+            assert {"['final_ln']['bias']", "['final_ln']['scale']"} <= whole
+        assert all(p.leaf not in layer_leaves for p in parts if p.layers is None)
+    assert [b for b, _ in covered] == [0] + [e for _, e in covered[:-1]]
+    assert covered[-1][1] == n_layers
+    leaves = jax.tree.leaves(shapes)
+    layer = sum(np.prod(leaves[i].shape) * 4 for i in layer_leaves) // n_layers
+    sizes = [fragments.part_bytes(shapes, parts) for parts in plan]
+    assert max(sizes) - min(sizes) <= layer, (sizes, layer)
 
 
 def test_due():
     """Fragment f syncs after the steps n with n % every == f * every / fragments."""
-    o = outer.OuterSettings(every=6, codec="none", error_feedback=False, lr=0.7, momentum=0.9,
+    o = outerconfig.OuterSettings(every=6, codec="none", error_feedback=False, lr=0.7, momentum=0.9,
                             fragments=3)
-    assert [outer.due(n, o) for n in range(1, 8)] == [[], [1], [], [2], [], [0], []]
-    assert outer.due(5, None) == []
+    assert [outerconfig.due(n, o) for n in range(1, 8)] == [[], [1], [], [2], [], [0], []]
+    assert outerconfig.due(5, None) == []
 
 
 BAD = [
@@ -178,9 +182,17 @@ BAD = [
      "mesh.dcn_data=0; allowed: a divisor of mesh.data=2, 1 or 2"),
     ({"outer.every": 4, "mesh.dcn_data": -1},
      "mesh.dcn_data=-1; allowed: a divisor of mesh.data=2, 1 or 2"),
-    # tiny's model has 15 parameter leaves: counted up front, nothing compiled
-    ({"outer.every": 16, "outer.fragments": 16, "train.steps": 16},
-     "outer.fragments=16: the model has only 15 parameter leaves to group; allowed: 1 to 15"),
+    # tiny's model has 2 layers: a fragment is a block of whole layers
+    ({"outer.every": 4, "outer.fragments": 4},
+     "outer.fragments=4: the model has only 2 layers and a fragment is a block of whole "
+     "layers; allowed: 1 to 2"),
+    ({"outer.every": 4, "outer.codec": "sparseloco", "outer.momentum": 0.9},
+     "outer.momentum=0.9 with outer.codec='sparseloco': SparseLoCo takes no outer momentum"),
+    ({"outer.every": 4, "outer.codec": "sparseloco:k=9:chunk=8"},
+     "outer.codec='sparseloco:k=9:chunk=8': SparseLoCo k=9 exceeds chunk=8"),
+    ({"outer.every": 4, "outer.codec": "sparseloco:beta=2"},
+     "outer.codec='sparseloco:beta=2': SparseLoCo beta=2.0; allowed: a number in [0, 1]"),
+    ({"outer.every": 4, "outer.codec": "sparseloco:q=1"}, "outer.codec='sparseloco:q=1'"),
     # with outer.every=0 no outer loop runs: a field set away from its default is
     # refused, as compression.dcn.* without a split (an invalid value included)
     ({"outer.lr": -1.0}, "outer.lr=-1.0 applies to an outer loop only, and outer.every=0"),
@@ -198,10 +210,17 @@ def test_bad_outer_settings_are_refused_by_name(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_fifteen_fragments_fit_tiny_s_fifteen_leaves():
-    run = runspec.validate(tiny_config(**{"outer.every": 15, "outer.fragments": 15,
-                                          "train.steps": 15}), 8)
-    assert run.outer.fragments == 15
+def test_two_fragments_fit_tiny_s_two_layers():
+    run = runspec.validate(tiny_config(**{"outer.every": 4, "outer.fragments": 2}), 8)
+    assert run.outer.fragments == 2
+
+
+def test_sparseloco_setting_keeps_a_residual_and_no_momentum():
+    run = runspec.validate(tiny_config(**{"outer.every": 4,
+                                          "outer.codec": "sparseloco:k=4:chunk=64"}), 8)
+    o = run.outer
+    assert o.error_feedback and o.momentum == 0.0
+    assert o.codec_object() == SparseLoCo(k=4, chunk=64, beta=0.95)
 
 
 @pytest.mark.parametrize("overrides,processes,message", [

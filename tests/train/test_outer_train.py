@@ -142,7 +142,10 @@ def test_a_bad_outer_field_exits_2_with_one_line_and_no_workdir(tmp_path):
      "mesh.dcn_data=0; allowed: a divisor of mesh.data=2, 1 or 2"),
     # before: refused only after the workdir's lock and checkpoints/ were made
     (["--config.outer.every=16", "--config.outer.fragments=16", "--config.train.steps=16"],
-     "outer.fragments=16: the model has only 15 parameter leaves to group; allowed: 1 to 15"),
+     "outer.fragments=16: the model has only 2 layers and a fragment is a block of whole "
+     "layers; allowed: 1 to 2"),
+    (["--config.outer.every=4", "--config.outer.codec=sparseloco", "--config.outer.momentum=0.9"],
+     "outer.momentum=0.9 with outer.codec='sparseloco': SparseLoCo takes no outer momentum"),
     # before: accepted and ignored
     (["--config.outer.lr=-1"], "outer.lr=-1.0 applies to an outer loop only"),
 ])
@@ -156,3 +159,43 @@ def test_bad_outer_input_exits_2_before_anything_is_written(tmp_path, args, says
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert says in lines[0], lines[0]
     assert os.listdir(workdir) == []
+
+
+# Fragments by layer (2) with SparseLoCo: H=4, fragment 1 syncs after steps 2, 6,
+# fragment 0 after 4, 8; the save at step 3 falls between two fragments' syncs.
+STREAM = [*OUTER[:-2], "--config.outer.fragments=2",
+          "--config.outer.codec=sparseloco:k=4:chunk=64:beta=0.9"]
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("stream") / "full")
+    proc = run(workdir, *STREAM)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def test_fragments_log_the_global_val_loss_beside_the_islands(stream):
+    """Each eval records val_loss (the anchor's) and val_loss_islands; at step 4
+    only fragment 0 has just synced, so the two differ."""
+    recs = records(stream)
+    assert sorted(s for s, r in recs.items() if "outer_sync_s" in r) == [2, 4, 6, 8]
+    assert [recs[s]["outer_fragment"] for s in (2, 4, 6, 8)] == [1, 0, 1, 0]
+    for s in (4, 8):
+        assert "val_loss_islands" in recs[s] and recs[s]["val_loss"] != recs[s]["val_loss_islands"]
+
+
+def test_stream_killed_mid_round_resumes_bit_for_bit(stream, tmp_path):
+    """kill -9 during the save of step 6: resumed from step 3 (fragment 1 synced
+    at step 2, fragment 0 not yet; SparseLoCo's residuals in flight), steps 4-8
+    repeat bit for bit, and so does every array of the final checkpoint."""
+    workdir = str(tmp_path / "killed")
+    proc = run(workdir, *STREAM, kill_during_save=6)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
+    again = run(workdir, *STREAM)
+    assert again.returncode == 0, again.stderr[-3000:]
+    want, got = records(stream), records(workdir)
+    for s in range(4, 9):
+        for key in ("loss", "grad_norm", "val_loss", "val_loss_islands"):
+            assert got[s].get(key) == want[s].get(key), (s, key, got[s], want[s])
+    assert state_digest(workdir, 8) == state_digest(stream, 8)
