@@ -86,9 +86,12 @@ def get_config():
     # 600 steps at +2.5% of the every-step run's val_loss, DiLoCo's (0.7, 0.9) at
     # +17% (experiments/convergence.py --suite outer, seed 0; +3.1% over 3 seeds).
     # fragments=F > 1 (Streaming DiLoCo): F groups of leaves sync in turn, every/F
-    # steps apart. See jcomp/train/outer.py and docs/trainer.md.
+    # steps apart. delay=tau > 0 (Streaming DiLoCo's overlap): a sync's result is
+    # merged tau steps after it started, the islands' own share `mix` (0.5 as the
+    # paper). See jcomp/train/outer.py and docs/trainer.md.
     c.outer = ml_collections.ConfigDict(dict(every=0, codec="none", error_feedback="off",
-                                             lr=1.0, momentum=0.0, fragments=1))
+                                             lr=1.0, momentum=0.0, fragments=1, delay=0,
+                                             mix=0.5))
 
     c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3))
     return c

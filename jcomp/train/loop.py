@@ -184,11 +184,17 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                 _log.warning("step %d: error-feedback residual norm %.4g exceeds "
                              "train.ef_reset_norm=%g: residuals reset to zero",
                              done, record["ef_norm"], t.ef_reset_norm)
+            for f in outerconfig.applied(done, run.outer):  # outer.delay > 0 only
+                state, seconds = syncs.run_apply(f, state)
+                record.update(outer_applied=f, outer_started_at=done - run.outer.delay,
+                              outer_apply_s=seconds)
             for f in outerconfig.due(done, run.outer):
                 state, seconds = syncs.run_sync(f, state, done)
                 record.update(outer_fragment=f, outer_sync_s=seconds,
                               outer_bytes_per_sync=syncs.bytes_per_sync[f],
                               outer_bytes_per_step=syncs.bytes_per_step())
+                if run.outer.delay:
+                    record["outer_applies_at"] = done + run.outer.delay
             if logged_phase != phase:
                 record.update(steprecord.phase_record(phase, run.plan(phase), logged_phase, report,
                                                        state))
@@ -216,7 +222,8 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                     record["val_loss_islands"] = steps.val_loss(None, state["params"], val)
                 if steps.forward_compressed(phase):
                     record["val_loss_compressed"] = steps.val_loss(phase, model, val)
-            if writer and steprecord.due(record, done, t.log_every, t.steps):
+            if writer and (steprecord.due(record, done, t.log_every, t.steps)
+                           or "outer_applied" in record):
                 _append(writer, record, metrics_path, done, ckpt)
             bar.update(done, loss=loss, tokens_per_s=record["tokens_per_s"], bytes_per_step=sent)
             last = record

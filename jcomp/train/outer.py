@@ -5,6 +5,8 @@ read by `jcomp.train.outerconfig`).
     outer = outerconfig.settings(cfg.outer)   # UsageError naming the field, or None (off)
     state = lift(step.init_state(...), run, mesh, shapes, tx)  # islands' copies + outer state
     syncs = Syncs(run, mesh, shapes, tx)
+    for f in outerconfig.applied(done, outer):  # with outer.delay: merged now
+        state, seconds = syncs.run_apply(f, state)
     for f in outerconfig.due(done, outer):    # after inner step `done`
         state, seconds = syncs.run_sync(f, state, done)
 
@@ -33,6 +35,10 @@ last (`jcomp.train.fragments`); fragment f syncs after the inner steps n with
 n % H == f * H / F (H = outer.every). The global model is the anchor
 (`Syncs.global_params`): the loop evaluates it as val_loss, beside the
 islands' own params (val_loss_islands).
+
+Delay (outer.delay = tau > 0, Streaming DiLoCo's overlap): a sync starts
+after its step and is merged into the islands tau steps later
+(`jcomp.train.outerdelay`). With delay 0 the sync blocks, as without it.
 
 outer.codec="sparseloco[:k=K][:chunk=C][:beta=B]" is SparseLoCo
 (`jcomp.collectives.sparseloco`): chunked top-k, 2-bit values, a decaying
@@ -66,7 +72,7 @@ KEY_STREAM = 0x5D1
 
 # ------------------------------------------------------------------ the state
 
-def _master_specs(run, params_shapes, tx):
+def master_specs(run, params_shapes, tx):
     specs = sharding.param_specs(params_shapes)
     return specs, zero.state_specs(specs, tx, run.zero)["master"]
 
@@ -86,14 +92,14 @@ def plan_of(run, params_shapes) -> list[list[fragments.Part]]:
         raise UsageError(str(e)) from None
 
 
-def _parts(run, params_shapes, mesh, tx, parts):
+def part_shapes(run, params_shapes, mesh, tx, parts):
     """-> [(shape, dtype, spec)] of each part's anchor (no island dimension): a
     whole leaf as the master stores it, a slice in the parameter's layout."""
     abstract = jax.tree.leaves(
         step.abstract_state(params_shapes, mesh, tx, run.zero)["zero"]["master"])
-    specs, zspecs = _master_specs(run, params_shapes, tx)
-    zleaves = jax.tree.leaves(zspecs, is_leaf=_is_spec)
-    pleaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+    specs, zspecs = master_specs(run, params_shapes, tx)
+    zleaves = jax.tree.leaves(zspecs, is_leaf=is_spec)
+    pleaves = jax.tree.leaves(specs, is_leaf=is_spec)
     shapes = jax.tree.leaves(params_shapes)
     out = []
     for part in parts:
@@ -120,7 +126,7 @@ def _outer_specs(run, zspecs, infos):
 
 
 def _infos(run, params_shapes, mesh, tx):
-    return [_parts(run, params_shapes, mesh, tx, parts) for parts in plan_of(run, params_shapes)]
+    return [part_shapes(run, params_shapes, mesh, tx, parts) for parts in plan_of(run, params_shapes)]
 
 
 def _opt_init(tx_outer, info):
@@ -131,7 +137,7 @@ def lift(single, run, mesh, params_shapes, tx):
     """A one-island train state (`step.init_state` on the mesh, replicated over
     'dcn') -> every island's copy of it, with the outer state: the anchor is the
     master, the outer optimizer freshly initialised, the residuals zeros."""
-    specs, zspecs = _master_specs(run, params_shapes, tx)
+    specs, zspecs = master_specs(run, params_shapes, tx)
     single_specs = step.state_specs(specs, tx, run.zero)
     flat, treedef = jax.tree.flatten(single)
     flat_specs = treedef.flatten_up_to(single_specs)
@@ -150,12 +156,12 @@ def lift(single, run, mesh, params_shapes, tx):
         if run.outer.error_feedback:
             out["residual"] = jax.tree.map(jnp.zeros_like, master_IxX)
         return out
-    outer = jax.jit(make, out_shardings=jax.tree.map(named, ospecs, is_leaf=_is_spec))(
+    outer = jax.jit(make, out_shardings=jax.tree.map(named, ospecs, is_leaf=is_spec))(
         single["zero"]["master"], state["zero"]["master"])
     return {**state, "outer": outer}
 
 
-def _is_spec(x):
+def is_spec(x):
     return isinstance(x, P)
 
 
@@ -167,7 +173,7 @@ def abstract_state(run, params_shapes, mesh, tx) -> dict:
     lifted = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
         (islands,) + a.shape, a.dtype, sharding=NamedSharding(mesh, P(AXIS, *a.sharding.spec))),
         single)
-    specs, zspecs = _master_specs(run, params_shapes, tx)
+    specs, zspecs = master_specs(run, params_shapes, tx)
     infos = _infos(run, params_shapes, mesh, tx)
     ospecs = _outer_specs(run, zspecs, infos)
     tx_outer = run.outer.tx()
@@ -184,17 +190,19 @@ def abstract_state(run, params_shapes, mesh, tx) -> dict:
 
 # ------------------------------------------------------------------- the sync
 
-def make_sync(run, mesh, params_shapes, tx, fragment: int):
+def make_sync(run, mesh, params_shapes, tx, fragment: int, stage: str = "sync"):
     """fn(state, step int32) -> state: fragment `fragment` of every island's
     master synced (`cc.outer_sync`), its working params gathered anew. Whole
     leaves sync in the master's layout; a block of layers in the parameters'
-    (`jcomp.train.fragments`)."""
+    (`jcomp.train.fragments`). stage="start": the outer state stepped (anchor,
+    residuals, optimizer), the islands' masters and params left as they are
+    (merged later: `jcomp.train.outerdelay`)."""
     o = run.outer
-    specs, zspecs = _master_specs(run, params_shapes, tx)
-    zleaves, ztree = jax.tree.flatten(zspecs, is_leaf=_is_spec)
-    pleaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+    specs, zspecs = master_specs(run, params_shapes, tx)
+    zleaves, ztree = jax.tree.flatten(zspecs, is_leaf=is_spec)
+    pleaves = jax.tree.leaves(specs, is_leaf=is_spec)
     parts = plan_of(run, params_shapes)[fragment]
-    info = _parts(run, params_shapes, mesh, tx, parts)
+    info = part_shapes(run, params_shapes, mesh, tx, parts)
     tx_outer = o.tx()
     codec = o.codec_object()
     needs_key = getattr(codec, "needs_key", False)
@@ -238,18 +246,22 @@ def make_sync(run, mesh, params_shapes, tx, fragment: int):
         for j, part in enumerate(parts):
             i = part.leaf
             if part.layers is None:
-                masters[i], anchor[i] = new_m[j], new_ost.anchor[j]
-                params[i] = _cast(param_view(i, new_m[j], True), shapes[i].dtype, pleaves[i],
-                                  mesh)
+                anchor[i] = new_ost.anchor[j]
+                if stage == "sync":
+                    masters[i] = new_m[j]
+                    params[i] = cast_islands(param_view(i, new_m[j], True), shapes[i].dtype,
+                                      pleaves[i], mesh)
                 if fed:
                     res[i] = new_ost.residual[j]
                 continue
             a, b = part.layers
             m, an, r = full[i]
-            m = m.at[:, a:b].set(new_m[j])
-            masters[i] = zero_view(i, m, True)
+            if stage == "sync":
+                m = m.at[:, a:b].set(new_m[j])
+                masters[i] = zero_view(i, m, True)
             anchor[i] = zero_view(i, an.at[a:b].set(new_ost.anchor[j]), False)
-            params[i] = _cast(m, shapes[i].dtype, pleaves[i], mesh)
+            if stage == "sync":
+                params[i] = cast_islands(m, shapes[i].dtype, pleaves[i], mesh)
             if fed:
                 res[i] = zero_view(i, r.at[:, a:b].set(new_ost.residual[j]), True)
         opt = list(state["outer"]["opt"])
@@ -264,7 +276,7 @@ def make_sync(run, mesh, params_shapes, tx, fragment: int):
     return sync
 
 
-def _cast(x_IxX, dtype, pspec, mesh):
+def cast_islands(x_IxX, dtype, pspec, mesh):
     """float32 [I, ...] in the parameter's layout -> the working params' dtype."""
     return jax.shard_map(lambda v: v.astype(dtype), mesh=mesh, in_specs=P(AXIS, *pspec),
                          out_specs=P(AXIS, *pspec))(x_IxX)
@@ -273,9 +285,9 @@ def _cast(x_IxX, dtype, pspec, mesh):
 def make_global_params(run, mesh, params_shapes, tx):
     """A jitted fn(state) -> every island's copy of the anchor as working params
     ([I, ...] in the params' dtypes): the global model, for evaluation."""
-    specs, zspecs = _master_specs(run, params_shapes, tx)
-    zleaves = jax.tree.leaves(zspecs, is_leaf=_is_spec)
-    pleaves, ptree = jax.tree.flatten(specs, is_leaf=_is_spec)
+    specs, zspecs = master_specs(run, params_shapes, tx)
+    zleaves = jax.tree.leaves(zspecs, is_leaf=is_spec)
+    pleaves, ptree = jax.tree.flatten(specs, is_leaf=is_spec)
     shapes = jax.tree.leaves(params_shapes)
 
     def one(i, a):
@@ -296,7 +308,8 @@ class Syncs:
     def __init__(self, run, mesh, params_shapes, tx):
         self.run, self.mesh, self.shapes, self.tx = run, mesh, params_shapes, tx
         self.plan = plan_of(run, params_shapes)
-        self._exe: list = []
+        self._exe: list = []    # per fragment: the sync, or with outer.delay its start
+        self._apply: list = []  # per fragment, with outer.delay: the merge
         self._global = None
         self.bytes_per_sync: list[float] = []  # per fragment, sent per device across islands
 
@@ -317,6 +330,11 @@ class Syncs:
                 f"{human(inner_bytes)} across islands).", WIDTH, subsequent_indent="  ")
 
     def _compile(self, state):
+        if self.run.outer.delay:
+            from jcomp.train import outerdelay  # it builds on this module
+            self._exe, self._apply, self.bytes_per_sync = outerdelay.compile_all(
+                self.run, self.mesh, self.shapes, self.tx, state)
+            return
         step_no = jnp.zeros((), jnp.int32)
         for f in range(self.run.outer.fragments):
             fn = make_sync(self.run, self.mesh, self.shapes, self.tx, f)
@@ -334,10 +352,28 @@ class Syncs:
         return sum(self.bytes_per_sync) / self.run.outer.every
 
     def run_sync(self, fragment: int, state, done: int):
-        """-> (state after fragment `fragment`'s sync after step `done`, seconds)."""
+        """-> (state after fragment `fragment`'s sync after step `done`, seconds).
+        With outer.delay: the sync started (seconds: its dispatch; off CPU the
+        result is waited on by `run_apply`)."""
         self.prepare(state)
         t0 = time.perf_counter()
+        if self.run.outer.delay:
+            rest = {k: v for k, v in state.items() if k != "outer"}
+            outer = self._exe[fragment](state["outer"], rest, jnp.asarray(done, jnp.int32))
+            state = {**state, "outer": outer}
+            if jax.default_backend() == "cpu":
+                jax.block_until_ready(outer)
+            return state, time.perf_counter() - t0
         state = self._exe[fragment](state, jnp.asarray(done, jnp.int32))
+        jax.block_until_ready(state)
+        return state, time.perf_counter() - t0
+
+    def run_apply(self, fragment: int, state):
+        """-> (state with fragment `fragment`'s started sync merged, seconds: the
+        wait for its result included)."""
+        self.prepare(state)
+        t0 = time.perf_counter()
+        state = self._apply[fragment](state)
         jax.block_until_ready(state)
         return state, time.perf_counter() - t0
 

@@ -1,5 +1,6 @@
-"""config.outer read and checked: the outer loop's settings (`settings`) and
-when each fragment syncs (`due`). The trainer's outer loop is
+"""config.outer read and checked: the outer loop's settings (`settings`), when
+each fragment's sync starts (`due`) and, with outer.delay > 0, when its result
+is merged into the islands (`applied`). The trainer's outer loop is
 `jcomp.train.outer`."""
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from jcomp import codecs
 from jcomp.collectives.sparseloco import SparseLoCo
 from jcomp.train.faults import UsageError
 
-FIELDS = ("every", "codec", "error_feedback", "lr", "momentum", "fragments")
+FIELDS = ("every", "codec", "error_feedback", "lr", "momentum", "fragments", "delay", "mix")
 # configs/base.py's outer.*: with every=0 (off) every other field must keep its default.
 DEFAULTS = {"every": 0, "codec": "none", "error_feedback": "off", "lr": 1.0, "momentum": 0.0,
-            "fragments": 1}
+            "fragments": 1, "delay": 0, "mix": 0.5}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,8 @@ class OuterSettings:
     lr: float
     momentum: float      # Nesterov momentum; 0: none
     fragments: int = 1
+    delay: int = 0       # tau: inner steps between a sync's start and its merge; 0: blocking
+    mix: float = 0.5     # with delay: the islands' own share of a merged fragment
 
     def tx(self):
         """DiLoCo's outer optimizer: SGD, Nesterov momentum where momentum > 0."""
@@ -40,9 +43,12 @@ class OuterSettings:
 
     def record(self) -> dict:
         """What a checkpoint records of them (a resume must not change any)."""
-        return {"every": self.every, "codec": self.codec,
-                "error_feedback": "on" if self.error_feedback else "off",
-                "lr": self.lr, "momentum": self.momentum, "fragments": self.fragments}
+        out = {"every": self.every, "codec": self.codec,
+               "error_feedback": "on" if self.error_feedback else "off",
+               "lr": self.lr, "momentum": self.momentum, "fragments": self.fragments}
+        # Recorded only where set, so that checkpoints without them (delay 0) stay
+        # as they were and resume both ways.
+        return {**out, "delay": self.delay, "mix": self.mix} if self.delay else out
 
 
 def settings(o) -> OuterSettings | None:
@@ -70,9 +76,10 @@ def settings(o) -> OuterSettings | None:
               and (v > low if high is None else low <= v < high))
         if not ok:
             raise UsageError(f"outer.{name}={v!r}; allowed: a number {text}")
+    timing = _timing(o, every, fragments)
     spec = o.get("codec", "none")
     if _is_sparseloco(spec):
-        return _sparseloco_settings(o, every, fragments, spec)
+        return dataclasses.replace(_sparseloco_settings(o, every, fragments, spec), **timing)
     try:
         codec = codecs.parse(spec)
     except (TypeError, ValueError) as e:
@@ -88,7 +95,31 @@ def settings(o) -> OuterSettings | None:
         raise UsageError(f"outer.error_feedback='on' has nothing to feed back: outer.codec="
                          f"{spec!r} is lossless; set a lossy codec (e.g. topk:0.03) or 'off'")
     return OuterSettings(every=every, codec=str(spec), error_feedback=ef == "on",
-                         lr=float(o.lr), momentum=float(o.momentum), fragments=fragments)
+                         lr=float(o.lr), momentum=float(o.momentum), fragments=fragments,
+                         **timing)
+
+
+def _timing(o, every, fragments) -> dict:
+    """outer.delay and outer.mix checked: a fragment's result must be merged before
+    that fragment's next sync starts (every steps later), else two results of one
+    fragment would be in flight and the merge order undefined."""
+    delay = o.get("delay", 0)
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+        raise UsageError(f"outer.delay={delay!r}; allowed: an integer >= 0 (0: the sync "
+                         "blocks and is merged at once)")
+    if delay >= every:
+        raise UsageError(f"outer.delay={delay} is not below outer.every={every}: a fragment's "
+                         "next sync would start before its last result is merged; allowed: "
+                         f"0 to {every - 1}")
+    mix = o.get("mix", 0.5)
+    if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 <= mix <= 1:
+        raise UsageError(f"outer.mix={mix!r}; allowed: a number in [0, 1] (the islands' own "
+                         "share of a fragment merged outer.delay steps after its sync started)")
+    if delay == 0 and mix != DEFAULTS["mix"]:
+        raise UsageError(f"outer.mix={mix!r} applies to a delayed sync only, and outer.delay=0 "
+                         "merges none; set outer.delay > 0, or leave outer.mix at its default "
+                         f"{DEFAULTS['mix']!r}")
+    return {"delay": delay, "mix": float(mix)}
 
 
 def _is_sparseloco(spec) -> bool:
@@ -144,9 +175,18 @@ def _check_unused(o):
 
 
 def due(done: int, outer: OuterSettings) -> list[int]:
-    """The fragments that sync after inner step `done` (1-based)."""
-    if outer is None:
+    """The fragments whose sync runs (with outer.delay > 0: starts) after inner
+    step `done` (1-based)."""
+    if outer is None or done < 1:
         return []
     stride = outer.every // outer.fragments
     r = done % outer.every
     return [r // stride] if r % stride == 0 else []
+
+
+def applied(done: int, outer: OuterSettings) -> list[int]:
+    """The fragments whose result is merged into the islands after inner step
+    `done`: those whose sync started outer.delay steps before (none without a delay)."""
+    if outer is None or not outer.delay:
+        return []
+    return due(done - outer.delay, outer)

@@ -27,7 +27,7 @@ import jax
 
 from jcomp.gpt import autoencoder, step
 
-from jcomp.train import checkpoint, outer, quiet
+from jcomp.train import checkpoint, outer, outerconfig, quiet
 from jcomp.gpt import model as gpt
 from jcomp.train.faults import UsageError
 
@@ -95,9 +95,14 @@ def outer_mismatch(run):
 
     def check(meta):
         saved = meta.get("outer", {"every": 0}) if isinstance(meta, dict) else {"every": 0}
-        names = ["every"] if 0 in (saved.get("every"), mine["every"]) else list(mine)
-        out = [f"outer.{k}={saved.get(k)!r}, this run has outer.{k}={mine.get(k)!r}"
-               for k in names if saved.get(k) != mine.get(k)]
+        # Keys either side records: a run with outer.delay > 0 records delay and
+        # mix, one with delay 0 neither, and a pending merge must not be lost.
+        names = (["every"] if 0 in (saved.get("every"), mine["every"]) else
+                 list(mine) + [k for k in saved if k not in mine])
+        was, now = ({k: d.get(k, outerconfig.DEFAULTS.get(k)) for k in names}
+                    for d in (saved, mine))
+        out = [f"outer.{k}={was[k]!r}, this run has outer.{k}={now[k]!r}"
+               for k in names if was[k] != now[k]]
         return [f"it was written for {', '.join(out)} (a resume cannot change the outer "
                 "loop's settings)"] if out else []
     return check

@@ -199,3 +199,31 @@ def test_stream_killed_mid_round_resumes_bit_for_bit(stream, tmp_path):
         for key in ("loss", "grad_norm", "val_loss", "val_loss_islands"):
             assert got[s].get(key) == want[s].get(key), (s, key, got[s], want[s])
     assert state_digest(workdir, 8) == state_digest(stream, 8)
+
+
+# The same with a delayed sync (outer.delay=2): fragment 1 starts after step 2 and
+# merges after step 4, so the save at step 3 holds a sync in flight.
+DELAYED = [*STREAM, "--config.outer.delay=2"]
+
+
+def test_a_delayed_sync_in_flight_at_a_save_resumes_bit_for_bit(tmp_path):
+    """kill -9 during the save of step 6: resumed from step 3, whose checkpoint was
+    written between fragment 1's start (step 2) and its merge (step 4); steps 4-8
+    and every array of the final checkpoint repeat bit for bit, and the merges
+    land delay steps after their starts."""
+    full = str(tmp_path / "full")
+    proc = run(full, *DELAYED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = records(full)
+    assert [want[s].get("outer_applied") for s in (4, 6, 8)] == [1, 0, 1], want
+    assert [want[s].get("outer_started_at") for s in (4, 6, 8)] == [2, 4, 6], want
+    killed = str(tmp_path / "killed")
+    proc = run(killed, *DELAYED, kill_during_save=6)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
+    again = run(killed, *DELAYED)
+    assert again.returncode == 0, again.stderr[-3000:]
+    got = records(killed)
+    for s in range(4, 9):
+        for key in ("loss", "grad_norm", "val_loss", "val_loss_islands"):
+            assert got[s].get(key) == want[s].get(key), (s, key, got[s], want[s])
+    assert state_digest(killed, 8) == state_digest(full, 8)

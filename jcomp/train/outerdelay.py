@@ -1,0 +1,96 @@
+"""A delayed, overlapped outer sync (outer.delay = tau > 0): Streaming DiLoCo's
+overlapping communication in the trainer's outer loop (`jcomp.train.outer`).
+
+Delay (outer.delay = tau > 0, Streaming DiLoCo's overlapped communication):
+fragment f's sync is split in two programs. The start (`outer.make_sync(...,
+stage="start")`, after step n) forms the pseudo-gradient from the islands'
+masters at n, averages it and steps the outer optimizer into the anchor, the
+residuals and the outer state, and leaves the islands' params alone: it is
+dispatched and not waited on (on CPU it is: queued collective programs on
+emulated devices can stall), so the next inner steps, which do not read
+state["outer"], run while it sends. The merge (`make_apply`, after step
+n + tau) sets each island's master of the fragment to mix * its own + (1 -
+mix) * the anchor's (the paper's mixing factor, the islands' share; 0.5 as
+there) and gathers its working params anew. The pending result is the
+anchor itself, part of the checkpointed state, and whether a merge is due
+is a function of the step alone (`outerconfig.applied`): a save with a sync
+in flight resumes bit for bit. outer.delay < H, so a fragment's next start
+comes after its last merge. A start whose merge would fall after
+train.steps leaves the islands' params without it; the global model (the
+anchor) has it. With delay 0 the sync is the blocking one, unchanged.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jcomp.meter import wire
+from jcomp.train import fragments
+from jcomp.train.outer import (AXIS, cast_islands, is_spec, make_sync, master_specs,
+                               part_shapes, plan_of)
+
+
+def make_apply(run, mesh, params_shapes, tx, fragment: int):
+    """fn(state) -> state: fragment `fragment` of every island's master merged
+    with the anchor (mix * own + (1 - mix) * anchor, outer.mix), its working
+    params gathered anew; the outer state unchanged."""
+    specs, zspecs = master_specs(run, params_shapes, tx)
+    zleaves, ztree = jax.tree.flatten(zspecs, is_leaf=is_spec)
+    pleaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    parts = plan_of(run, params_shapes)[fragment]
+    info = part_shapes(run, params_shapes, mesh, tx, parts)
+    shapes = jax.tree.leaves(params_shapes)
+    own, other = jnp.float32(run.outer.mix), jnp.float32(1.0 - run.outer.mix)
+
+    def merge(m_IxX, a, spec):
+        return jax.shard_map(lambda m, x: own * m + other * x[None], mesh=mesh,
+                             in_specs=(P(AXIS, *spec), spec), out_specs=P(AXIS, *spec))(m_IxX, a)
+
+    def apply(state):
+        masters = jax.tree.leaves(state["zero"]["master"])
+        anchor = jax.tree.leaves(state["outer"]["anchor"])
+        params, ptree = jax.tree.flatten(state["params"])
+        for j, part in enumerate(parts):
+            i, spec = part.leaf, info[j][2]
+            if part.layers is None:
+                masters[i] = merge(masters[i], anchor[i], spec)
+                m = fragments.to_param(masters[i], pleaves[i], zleaves[i], shapes[i].shape,
+                                       mesh, AXIS)
+            else:
+                a, b = part.layers
+                m = fragments.to_param(masters[i], pleaves[i], zleaves[i], shapes[i].shape,
+                                       mesh, AXIS)
+                an = fragments.to_param(anchor[i], pleaves[i], zleaves[i], shapes[i].shape,
+                                        mesh)
+                m = m.at[:, a:b].set(merge(m[:, a:b], an[a:b], spec))
+                masters[i] = fragments.to_zero(m, pleaves[i], zleaves[i], run.zero.multiple,
+                                               mesh, AXIS)
+            params[i] = cast_islands(m, shapes[i].dtype, pleaves[i], mesh)
+        zstate = {**state["zero"], "master": jax.tree.unflatten(ztree, masters)}
+        return {**state, "params": jax.tree.unflatten(ptree, params), "zero": zstate}
+
+    return apply
+
+
+def compile_all(run, mesh, params_shapes, tx, state):
+    """-> (every fragment's compiled start: fn(outer, rest, step) -> outer, its
+    compiled merge: fn(state) -> state, its bytes per device across islands)."""
+    step_no = jnp.zeros((), jnp.int32)
+    keep = jax.tree.map(lambda x: x.sharding, state)
+    rest = {k: v for k, v in state.items() if k != "outer"}
+    starts, applies, sent = [], [], []
+    for f in range(run.outer.fragments):
+        sync = make_sync(run, mesh, params_shapes, tx, f, stage="start")
+        # Only the outer state is donated and returned: the islands' state stays
+        # the next inner step's, so that step need not wait for this one.
+        start = jax.jit(lambda outer, rest, n, sync=sync: sync({**rest, "outer": outer},
+                                                               n)["outer"],
+                        donate_argnums=0, out_shardings=keep["outer"])
+        exe = start.lower(state["outer"], rest, step_no).compile()
+        starts.append(exe)
+        sent.append(float(wire.measure_compiled(exe, mesh).by_axis().get(AXIS, 0.0)))
+        apply = make_apply(run, mesh, params_shapes, tx, f)
+        applies.append(jax.jit(apply, donate_argnums=0, out_shardings=keep).lower(state)
+                       .compile())
+    return starts, applies, sent
