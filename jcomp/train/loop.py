@@ -36,7 +36,7 @@ from jcomp.train import hooks as hooks_lib
 from jcomp.gpt import mesh as mesh_lib
 from jcomp.train import metrics as metrics_lib
 from jcomp.train import outer as outer_lib
-from jcomp.train import outerconfig
+from jcomp.train import outerconfig, outerdelay
 from jcomp.train import profiler as profiler_lib
 from jcomp.train import traffic
 from jcomp.gpt import schedule as schedule_lib
@@ -123,7 +123,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     start = resume.restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds)
     state, streak = start.state, start.streak
     steps = StepCache(run, mesh, start.tx, shapes)
-    syncs = outer_lib.Syncs(run, mesh, shapes, start.tx) if run.outer else None
+    syncs = outerdelay.syncs_for(run, mesh, shapes, start.tx) if run.outer else None
 
     def stopped_before_any_step(i):
         # A signal during setup or the first compile: nothing new exists to save.

@@ -4,7 +4,7 @@ read by `jcomp.train.outerconfig`).
 
     outer = outerconfig.settings(cfg.outer)   # UsageError naming the field, or None (off)
     state = lift(step.init_state(...), run, mesh, shapes, tx)  # islands' copies + outer state
-    syncs = Syncs(run, mesh, shapes, tx)
+    syncs = outerdelay.syncs_for(run, mesh, shapes, tx)  # Syncs, or DelayedSyncs
     for f in outerconfig.applied(done, outer):  # with outer.delay: merged now
         state, seconds = syncs.run_apply(f, state)
     for f in outerconfig.due(done, outer):    # after inner step `done`
@@ -330,11 +330,6 @@ class Syncs:
                 f"{human(inner_bytes)} across islands).", WIDTH, subsequent_indent="  ")
 
     def _compile(self, state):
-        if self.run.outer.delay:
-            from jcomp.train import outerdelay  # it builds on this module
-            self._exe, self._apply, self.bytes_per_sync = outerdelay.compile_all(
-                self.run, self.mesh, self.shapes, self.tx, state)
-            return
         step_no = jnp.zeros((), jnp.int32)
         for f in range(self.run.outer.fragments):
             fn = make_sync(self.run, self.mesh, self.shapes, self.tx, f)

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jcomp.meter import wire
 from jcomp.train import fragments
-from jcomp.train.outer import (AXIS, cast_islands, is_spec, make_sync, master_specs,
+from jcomp.train.outer import (AXIS, Syncs, cast_islands, is_spec, make_sync, master_specs,
                                part_shapes, plan_of)
 
 
@@ -94,3 +94,17 @@ def compile_all(run, mesh, params_shapes, tx, state):
         applies.append(jax.jit(apply, donate_argnums=0, out_shardings=keep).lower(state)
                        .compile())
     return starts, applies, sent
+
+
+class DelayedSyncs(Syncs):
+    """`Syncs` whose fragments start without waiting (`compile_all`'s starts) and
+    merge outer.delay steps later (its merges)."""
+
+    def _compile(self, state):
+        self._exe, self._apply, self.bytes_per_sync = compile_all(
+            self.run, self.mesh, self.shapes, self.tx, state)
+
+
+def syncs_for(run, mesh, params_shapes, tx):
+    """The run's sync programs: delayed where outer.delay > 0, else blocking."""
+    return (DelayedSyncs if run.outer.delay else Syncs)(run, mesh, params_shapes, tx)

@@ -9,7 +9,7 @@ import pytest
 
 from jcomp.collectives.sparseloco import SparseLoCo
 from jcomp.gpt import mesh as mesh_lib
-from jcomp.train import fragments, outer, outerconfig, resume, runspec
+from jcomp.train import fragments, outerconfig, outerdelay, resume, runspec
 from jcomp.train.stepcache import StepCache, global_batch
 from tests.train.tinyconfig import tiny_config
 
@@ -27,7 +27,7 @@ class _Run:
         self.shapes = jax.eval_shape(make)
         self.state = resume.init_state(self.run, make(), self.mesh, self.tx, self.shapes)
         self.steps = StepCache(self.run, self.mesh, self.tx, self.shapes)
-        self.syncs = (outer.Syncs(self.run, self.mesh, self.shapes, self.tx)
+        self.syncs = (outerdelay.syncs_for(self.run, self.mesh, self.shapes, self.tx)
                       if self.run.outer else None)
         self.done = 0
 
