@@ -46,7 +46,7 @@ Every run is `python train.py` in a subprocess with its own workdir under
             int4:rot, or top-k 3% with error feedback; SparseLoCo every 10
             steps (top 64 or 256 of every 4096-entry chunk, 2-bit values,
             residual decay 0.95); streaming, fragments as blocks of layers
-            synced in turn (every 50 steps in 4 fragments, every 10 in 2,
+            synced in turn (every 50 or every 10 steps, in 2 fragments,
             int4:rot); and hop_raw, the every-step run with two hops and nothing coded,
             whose bytes across the slow hop are the baseline's. Same mesh as
             hops: run it with hops' --set flags into hops' --out
@@ -132,7 +132,7 @@ def _tp_act(spec: str) -> dict:
 OUTER_RUNS = tuple((h, 1, codec, ef, slug, 1.0, 0.0) for h in (10, 50)
                    for codec, ef, slug in (("none", "off", "none"), ("int4:rot", "off", "int4rot"),
                                            ("topk:0.03", "on", "topk3_ef"))) \
-    + ((50, 4, "int4:rot", "off", "int4rot", 1.0, 0.0), (10, 2, "int4:rot", "off", "int4rot", 1.0, 0.0)) \
+    + tuple((h, 2, "int4:rot", "off", "int4rot", 1.0, 0.0) for h in (50, 10)) \
     + tuple((10, 1, f"sparseloco:k={k}:chunk=4096:beta=0.95", "on", f"sparseloco_k{k}", 1.0, 0.0)
             for k in (64, 256)) \
     + tuple((10, 1, codec, "off", f"nesterov_{slug}", 0.7, 0.9)
