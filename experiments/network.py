@@ -127,7 +127,8 @@ POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those 
     "sparseloco": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER,
                    "outer.codec": "topk:0.03", "outer.error_feedback": "on"},
     # compression.auto: the codec per axis and kind chosen at start from a probe of
-    # the run's own mesh (jcomp.train.auto); auto_perhop on the two-hop mesh.
+    # the run's own mesh (jcomp.train.auto), which with two processes weighs the
+    # per-hop split (mesh.dcn_data=2) too; auto_perhop is given that split.
     "auto": {"policy": "baseline", "auto": "on"},
     "auto_perhop": {"policy": "baseline", "mesh.dcn_data": "2", "auto": "on"},
 }
@@ -297,6 +298,11 @@ def _auto_figures(decision: dict) -> dict:
     return dict(codecs={e: v["codec"] for e, v in decision["entries"].items()},
                 links={e: [v["latency_s"], v["bytes_per_s"]]
                        for e, v in decision["entries"].items()},
+                dcn_data=decision.get("dcn_data", 1),
+                routes={k: v["seconds"] for k, v in decision.get("routes", {}).items()},
+                route_links={k: v["links"] for k, v in decision.get("routes", {}).items()},
+                codec_s_per_byte={c: v["encode_s_per_byte"] + v["decode_s_per_byte"]
+                                  for c, v in decision["profile"]["codecs"].items()},
                 predicted_s=decision["seconds"], predicted_raw_s=decision["raw_seconds"])
 
 

@@ -11,9 +11,10 @@ collectives.json (benchmarks/collectives.py), collectives_sizes.json
 gpu.json (benchmarks/gpu.py), in benchmarks/results/; every
 convergence*/summary.json (experiments/convergence.py), projection.json
 (experiments/projection.py, with its link profile), network.json
-(experiments/network.py), network_hops.json (experiments/network.py --hops) and
-network_outer.json (--hops with the outer-loop policies),
-in experiments/results/; see report_network.py for those and gpu.json.
+(experiments/network.py), network_hops.json (experiments/network.py --hops),
+network_outer.json (--hops with the outer-loop policies) and network_auto.json
+(--hops with compression.auto), in experiments/results/; see report_network.py
+for those and gpu.json.
 Every number and every PASS/FAIL in the page is computed from those files;
 only the explanatory prose is fixed text.
 
@@ -548,7 +549,7 @@ def build(results, page_dir: str) -> str:
     proj, col, sz, par = (load("projection.json"), load("collectives.json"),
                           load("collectives_sizes.json"), load("parallel.json"))
     net, gpu, hops = load("network.json"), load("gpu.json"), load("network_hops.json")
-    outer = load("network_outer.json")
+    outer, auto = load("network_outer.json"), load("network_auto.json")
 
     commands = [i for _, s in summaries for i in s.get("invocations", [])]
     if proj:
@@ -636,6 +637,11 @@ def build(results, page_dir: str) -> str:
         page += ["## An outer loop across a throttled link (experiments/network.py --hops, "
                  "outer-loop policies)", "", text, ""]
         claims += outer_claims
+    if auto:
+        text, auto_claims = report_network.auto_section(auto)
+        page += ["## compression.auto across a throttled link (experiments/network.py --hops, "
+                 "policy auto)", "", text, ""]
+        claims += auto_claims
     page += ["## GPU (benchmarks/gpu.py)", "", report_network.gpu_section(gpu), ""]
     page += ["## What matches the papers, what doesn't, and why", ""]
     page += [f"- {c}" for c in claims] or ["- No convergence or projection results yet."]

@@ -494,3 +494,98 @@ def outer_section(net: dict) -> tuple[str, list[str]]:
             claims.append(f"Outer loop across a {rate} link: {name} {what} (time to the "
                           f"baseline's loss {ttl['target_val_loss']:.4f}, one run each).")
     return "\n".join(out), claims
+
+
+AUTO_POLICY = "auto"
+AUTO_RIVALS = ("baseline", "hybrid", "hybrid_perhop")
+AUTO_WITHIN_FASTEST, AUTO_OVER_BASELINE, AUTO_PREDICTION = 0.05, 0.03, 0.15
+
+
+def _choice(auto: dict) -> str:
+    """compression.auto's choice in a few words: its route and the coded entries."""
+    coded = [f"{e}={c}" for e, c in auto["codecs"].items() if c != "none"]
+    route = f"per hop (dcn_data={auto['dcn_data']})" if auto.get("dcn_data", 1) > 1 else "flat"
+    return f"{route}: {', '.join(coded) or 'all raw'}"
+
+
+def auto_section(net: dict) -> tuple[str, list[str]]:
+    """(markdown, claims) for network_auto.json (experiments/network.py --hops with
+    compression.auto beside the policies it must match): per rate, each
+    policy's step (median over runs), auto's against the fastest and the
+    baseline, what it chose, and its predicted step time against the measured.
+
+    The prediction is the probe's: compute + the chosen communication (the
+    decision's seconds), where compute is the unthrottled baseline's measured
+    step less the communication the unthrottled probe predicts for it (the
+    uncompressed step's, the decision's raw seconds). The rig's link figure is
+    the per-hop probe's 'dcn' bandwidth per device times the devices of a
+    process (all of them cross at once), against tc's rate."""
+    commit = _main_commit(net)
+    if commit is None:
+        return "No successful network.py run with compression.auto yet.", []
+    rows = [r for r in _rows(net, commit) if r["settings"]["kind"] == "sweep"]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r["settings"]["rate"], {}).setdefault(r["settings"]["policy"], []).append(r)
+    med = lambda rs, k: statistics.median(r[k] for r in rs)
+    unthrottled = groups.get("unthrottled", {})
+    compute = None
+    if "baseline" in unthrottled and AUTO_POLICY in unthrottled:
+        compute = med(unthrottled["baseline"], "median_step_s") - statistics.median(
+            r["auto"]["predicted_raw_s"] for r in unthrottled[AUTO_POLICY])
+    s0 = rows[0]["settings"]
+    per_process = 8 // s0["procs"]
+    table, claims = [], []
+    for rate, pol in groups.items():
+        if AUTO_POLICY not in pol:
+            continue
+        steps = {p: med(rs, "median_step_s") for p, rs in pol.items()}
+        rivals = {p: steps[p] for p in AUTO_RIVALS if p in steps}
+        fastest = min(rivals, key=rivals.get) if rivals else None
+        a = steps[AUTO_POLICY]
+        autos = pol[AUTO_POLICY]
+        choices = sorted({_choice(r["auto"]) for r in autos})
+        predicted = (compute + statistics.median(r["auto"]["predicted_s"] for r in autos)
+                     if compute is not None else None)
+        dcn = [links["dcn"]["bytes_per_s"] for r in autos
+               for route, links in r["auto"].get("route_links", {}).items()
+               if route.startswith("per hop") and "dcn" in links]
+        bits = rate_bits(rate)
+        link = statistics.median(dcn) * per_process if dcn else None
+        table.append([rate] + [_f(steps.get(p), ".3f") for p in AUTO_RIVALS]
+                     + [_f(a, ".3f"), _f(a / rivals[fastest], ".3f") if fastest else "n/a",
+                        _f(a / steps["baseline"], ".3f") if "baseline" in steps else "n/a",
+                        "; ".join(choices), _f(predicted, ".3f"),
+                        _f(predicted / a, ".2f") if predicted else "n/a",
+                        _f(link and link / 1e6, ".2f"),
+                        _f(link * 8 / bits, ".2f") if link and bits else "n/a"])
+        if fastest:
+            ok = a <= rivals[fastest] * (1 + AUTO_WITHIN_FASTEST) and (
+                "baseline" not in steps or a <= steps["baseline"] * (1 + AUTO_OVER_BASELINE))
+            pred_ok = predicted is not None and abs(predicted / a - 1) <= AUTO_PREDICTION
+            claims.append(
+                f"compression.auto at {rate}: {a:.3f} s per step, {a / rivals[fastest]:.3f}x the "
+                f"fastest of {', '.join(rivals)} ({fastest}, {rivals[fastest]:.3f} s) and "
+                f"{a / steps['baseline']:.3f}x the baseline: "
+                f"{'PASS' if ok else 'FAIL'} (within {AUTO_WITHIN_FASTEST:.0%} of the fastest, at "
+                f"most {AUTO_OVER_BASELINE:.0%} over the baseline); predicted "
+                + (f"{predicted:.3f} s, {predicted / a:.2f}x measured: "
+                   f"{'PASS' if pred_ok else 'FAIL'} (within {AUTO_PREDICTION:.0%})"
+                   if predicted is not None else "n/a (no unthrottled baseline and auto rows)")
+                + f"; chose {'; '.join(choices)}.")
+    runs = sorted({len(rs) for pol in groups.values() for rs in pol.values()})
+    out = [f"{s0['procs']} processes x {per_process} CPU devices of {s0['config']}, two hops as "
+           f"above, {s0['steps']} steps per run, medians over the steps after the first "
+           f"{net.get('warm_steps', 2)}, then over {'-'.join(map(str, runs))} runs per row, "
+           f"repeat-major. Commit {commit[:7]}. auto: compression.auto=on with the probe at "
+           "start (links of the mesh as given and of its per-hop split, codecs on every "
+           "device at once), then the route and codecs of least predicted communication. "
+           "Predicted: compute (the unthrottled baseline's step less the communication the "
+           f"unthrottled probe predicts for it{'' if compute is None else f', {compute:.3f} s'}"
+           ") plus the chosen communication as the probe at that rate predicts it. Probed "
+           f"link: the per-hop probe's 'dcn' bandwidth per device x {per_process} devices "
+           "crossing at once, against tc's rate.", "",
+           _table(["link"] + [f"{p} s" for p in AUTO_RIVALS]
+                  + ["auto s", "x fastest", "x baseline", "auto's choice", "predicted s",
+                     "predicted/measured", "probed link MB/s", "x tc rate"], table)]
+    return "\n".join(out), claims

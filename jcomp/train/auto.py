@@ -37,6 +37,7 @@ import json
 import math
 import os
 
+import jax
 import ml_collections
 
 from jcomp import tune
@@ -59,9 +60,10 @@ def settings(cfg) -> dict | None:
     _refuse_explicit(comp)
     budget = parse_budget(comp.get("budget", ""))
     overlap = check_overlap(comp.get("overlap", 0.0))
+    compute_s = check_compute(comp.get("compute_s", 0.0))
     path = comp.get("profile", "")
     return {"mode": mode, "profile_path": path, "profile": load_profile(path) if path else None,
-            "budget": budget, "overlap": overlap}
+            "budget": budget, "overlap": overlap, "compute_s": compute_s}
 
 
 def _refuse_explicit(comp):
@@ -110,6 +112,15 @@ def check_overlap(value) -> float:
     return float(value)
 
 
+def check_compute(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0.0):
+        raise UsageError(f"compression.compute_s={value!r}; allowed: a number >= 0 (seconds of "
+                         "a step's computation, e.g. an uncompressed step's on a fast link; 0: "
+                         "not known, communication alone is predicted)")
+    return float(value)
+
+
 def load_profile(path, field: str = "compression.profile") -> tune.Profile:
     try:
         return tune.load(path)
@@ -147,6 +158,32 @@ def summarize(d: tune.Decision, profile: tune.Profile, budget, source: str) -> d
             "profile": profile.to_dict()}
 
 
+def with_compute(summary: dict, compute_s: float) -> dict:
+    """The summary with predicted step seconds: compute_s plus the chosen and the
+    uncompressed communication (None where compute_s is 0, not known)."""
+    known = compute_s > 0
+    return {**summary, "compute_s": compute_s,
+            "step_s": compute_s + summary["seconds"] if known else None,
+            "raw_step_s": compute_s + summary["raw_seconds"] if known else None}
+
+
+def split_for(run, processes: int) -> int | None:
+    """The mesh.dcn_data of the per-hop route auto weighs beside the mesh as
+    given: one slow-hop group per process. None where there is none to weigh:
+    the user split the data axis already, an outer loop runs, one process, or a
+    process would hold fewer than two data ranks (the fast hop would be empty)."""
+    d = run.mesh_shape[0]
+    if run.dcn_data != 1 or run.outer or processes < 2 or d % processes or d // processes < 2:
+        return None
+    return processes
+
+
+def with_split(cfg, k: int):
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    out.mesh.dcn_data = k
+    return out
+
+
 def overrides(summary: dict) -> dict:
     """{"data.grad": codec, ...}: the decision as policy entries."""
     return {entry: e["codec"] for entry, e in summary["entries"].items()}
@@ -166,6 +203,8 @@ def with_policy(cfg, summary: dict):
     for entry, codec in overrides(summary).items():
         axis, _, kind = entry.partition(".")
         out.compression[axis][kind] = codec
+    if summary.get("dcn_data", 1) > 1:
+        out.mesh.dcn_data = summary["dcn_data"]
     return out
 
 
@@ -203,16 +242,52 @@ def decide(cfg, s: dict, run, mesh, workdir):
     else:
         profile, source = s["profile"], f"profile {s['profile_path']}"
         if profile is None:
-            try:
-                profile = tune.probe(mesh)
-            except ValueError as e:
-                raise UsageError(f"compression.profile='' (probe at start): {e}") from None
-            source = "probed at start"
-        summary = choose(run, profile, s["budget"], s["overlap"], source)
+            summary = _probe_and_choose(cfg, s, run, mesh)
+        else:
+            summary = choose(run, profile, s["budget"], s["overlap"], source)
+        summary = with_compute(summary, s["compute_s"])
     chosen = validate(with_policy(cfg, summary), len(mesh.devices.flat))
     if s["mode"] == "reprobe":
         _check_reprobe(workdir, summary)
     return chosen, summary
+
+
+def _probe(mesh, codecs=tune.DEFAULT_CODECS) -> tune.Profile:
+    try:
+        return tune.probe(mesh, codecs=codecs)
+    except ValueError as e:
+        raise UsageError(f"compression.profile='' (probe at start): {e}") from None
+
+
+def _probe_and_choose(cfg, s: dict, run, mesh) -> dict:
+    """Probes the mesh as given and chooses; where `split_for` offers a per-hop
+    route, probes that mesh's links too, chooses for it, and keeps the route of
+    least predicted communication. The uncompressed reference stays the mesh
+    as given."""
+    from jcomp.gpt import mesh as mesh_lib
+    from jcomp.train.runspec import validate
+    profile = _probe(mesh)
+    flat = choose(run, profile, s["budget"], s["overlap"], "probed at start")
+    k = split_for(run, jax.process_count())
+    if k is None:
+        return flat
+    split_run = validate(uncompressed(with_split(cfg, k)), len(mesh.devices.flat))
+    links = _probe(mesh_lib.make_mesh(split_run.mesh_shape, dcn_data=k), codecs=()).links
+    split_profile = tune.Profile(links=links, codecs=profile.codecs,
+                                 device=f"{profile.device}; per hop: mesh.dcn_data={k}")
+    split = choose(split_run, split_profile, s["budget"], s["overlap"], "probed at start")
+    return pick_route(flat, split, k)
+
+
+def pick_route(flat: dict, split: dict, k: int) -> dict:
+    """Of two decisions, for the mesh as given and for its per-hop split into k
+    slow-hop groups, the one of less predicted communication (a tie keeps the
+    mesh as given), with both routes' seconds and links; its uncompressed
+    reference is the mesh as given's."""
+    routes = {name: {"seconds": d["seconds"], "links": d["profile"]["links"]}
+              for name, d in (("as given", flat), (f"per hop (mesh.dcn_data={k})", split))}
+    best = {**split, "dcn_data": k} if split["seconds"] < flat["seconds"] else flat
+    return {**best, "raw_seconds": flat["raw_seconds"], "routes": routes}
 
 
 def _check_reprobe(workdir, summary):
@@ -222,6 +297,9 @@ def _check_reprobe(workdir, summary):
     step, old = kept
     was, now = overrides(old), overrides(summary)
     changed = [f"{k}={now[k]} (checkpoint: {was.get(k)})" for k in now if was.get(k) != now[k]]
+    if old.get("dcn_data", 1) != summary.get("dcn_data", 1):
+        changed.append(f"mesh.dcn_data={summary.get('dcn_data', 1)} (checkpoint: "
+                       f"{old.get('dcn_data', 1)})")
     if changed:
         raise UsageError(f"compression.auto='reprobe' chose {', '.join(changed)}, but the "
                          f"checkpoint of step {step} is laid out for its own choice; resume "
@@ -249,7 +327,15 @@ def table(summary: dict) -> str:
     lines = ["compression.auto: codecs chosen from measured links (" + summary["source"] + "):"]
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     raw, now = summary["raw_seconds"], summary["seconds"]
+    for route, r in summary.get("routes", {}).items():
+        lines.append(f"  route {route}: {r['seconds'] * 1e3:.4g} ms predicted")
+    if summary.get("dcn_data", 1) > 1:
+        lines.append(f"  route taken: per hop, mesh.dcn_data={summary['dcn_data']}")
     lines.append(f"  predicted communication per step: {now * 1e3:.4g} ms vs {raw * 1e3:.4g} ms "
                  f"uncompressed ({now / raw if raw else 1.0:.2f}x; overlap "
                  f"{summary['overlap']:g}; {summary['device']})")
+    if summary.get("step_s") is not None:
+        lines.append(f"  predicted step: {summary['step_s']:.4g} s vs {summary['raw_step_s']:.4g} s "
+                     f"uncompressed (compute {summary['compute_s']:.4g} s, "
+                     "compression.compute_s)")
     return "\n".join(lines)

@@ -111,6 +111,8 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     decision = None  # compression.auto's summary: printed, logged and checkpointed
     if auto:
         run, decision = auto_lib.decide(cfg, auto, run, mesh, workdir)
+        if run.mesh_split() != mesh.shape.get(mesh_lib.DCN, 1):  # auto took the per-hop route
+            mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
     tx = run.optim.tx(run.train.steps)
     _, train_ds, val = load_data(run)
     make_params = resume.init_params(run)

@@ -128,10 +128,12 @@ def by_entry(run) -> dict:
         s["n"] += count
         if nbytes > s["heavy"][0]:
             s["heavy"] = (nbytes, op, dtype)
+    sizes = run.plan_sizes()
     out = {}
     for (axis, kind), s in sums.items():
         _, op, dtype = s["heavy"]
         row = run.model.d_model if kind in ("act", "act_grad") else FLAT_ROW
         out[axis, kind] = tune.Traffic(raw_bytes=float(s["bytes"]), collectives=float(s["n"]),
-                                       dtype=dtype, op=op, row=int(row))
+                                       dtype=dtype, op=op, row=int(row),
+                                       n=max(int(sizes.get(axis, 2)), 2))
     return out

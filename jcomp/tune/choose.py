@@ -8,9 +8,11 @@ least predicted time per step, among those the ladder of its kind allows.
 
 For a message of raw bytes B and c collectives per step over a link, with a
 codec sending r x B in c' collectives (c' = 2c for a coded all-reduce) and
-costing e + d seconds per raw byte to encode and decode,
+costing e and d seconds per byte to encode and decode, of which the coded
+collective codes E x B and D x B bytes (Traffic.codec_work: an all-reduce
+over 2 devices encodes 1.5 B and decodes 2 B),
 
-    t = (1 - overlap) * (c' * latency_s + r * B / bytes_per_s) + (e + d) * B
+    t = (1 - overlap) * (c' * latency_s + r * B / bytes_per_s) + (e E + d D) * B
 
 `overlap` is the share of the link's time hidden behind compute; the codec's
 time runs on the device and is not hidden. "none" (r = 1, c' = c, no codec
@@ -126,7 +128,12 @@ def predict(profile: Profile, axis: str, traffic: Traffic, codec, overlap: float
     link = profile.link(axis)
     wire = link.seconds(traffic.coded_bytes(codec), traffic.coded_collectives(codec))
     cost = profile.codec(codec)
-    return (1.0 - overlap) * wire + (cost.s_per_byte * traffic.raw_bytes if cost else 0.0)
+    if cost is None:
+        return (1.0 - overlap) * wire
+    encoded, decoded = traffic.codec_work()
+    coding = (cost.encode_s_per_byte * encoded + cost.decode_s_per_byte * decoded) \
+        * traffic.raw_bytes
+    return (1.0 - overlap) * wire + coding
 
 
 def _check_ladder(specs, where: str) -> tuple:

@@ -13,11 +13,16 @@ call; the median time at each size is fitted by least squares to
 latency and 1/bandwidth kept >= 0. A fit in which time does not grow with the
 bytes cannot give a bandwidth: ValueError, asking for larger sizes. The
 defaults suit CPU meshes; on GPU links, where 4 MiB moves in microseconds,
-pass sizes up to hundreds of MiB so that bytes, not latency, dominate. Per codec,
-encode and decode of `codec_bytes` of float32 rows are timed apart on one
-local device, each divided by the input's bytes. The per-byte figures then
-include the call's fixed overhead, which overstates codec time at small
-sizes: that errs towards sending raw.
+pass sizes up to hundreds of MiB so that bytes, not latency, dominate. On a
+slow link a size whose calls pass SLOW_CALL_S is timed fewer times, and no
+larger one is tried once two sizes are in. Per codec,
+encode and decode of `codec_bytes` of float32 rows per device are timed apart
+on every device of the mesh at once, as the train step runs them: where
+devices share the processor (emulated CPU devices) each one codes slower than
+it would alone, and a codec timed on one idle device would look cheaper than
+it is in the step. Each is divided by the bytes one device codes. The per-byte
+figures include the call's fixed overhead, which overstates codec time at
+small sizes: that errs towards sending raw.
 
 Every call waits for its result: it is what is timed, and emulated CPU
 devices can stop on collectives queued without waiting. With
@@ -43,6 +48,7 @@ DEFAULT_CODECS = ("bf16", "int8", "int4:rot")
 DEFAULT_SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per device
 DEFAULT_CODEC_BYTES = 1 << 22
 CODEC_ROW = 4096  # elements per coded row: a multiple of every default block
+SLOW_CALL_S = 1.0  # past this, a size is timed once and no larger size is tried
 
 
 def _check_sizes(sizes, name: str):
@@ -59,13 +65,17 @@ def _check_sizes(sizes, name: str):
     return tuple(sorted(set(sizes)))
 
 
-def _median_s(fn, arg, repeats: int) -> float:
-    jax.block_until_ready(fn(arg))  # compile and first run, untimed
+def _median_s(fn, arg, repeats: int, max_s: float = float("inf")) -> float:
+    """Median seconds of `repeats` calls after an untimed first one (the compile);
+    fewer, at least one, once the timed calls together pass max_s."""
+    jax.block_until_ready(fn(arg))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(arg))
         times.append(time.perf_counter() - t0)
+        if sum(times) > max_s:
+            break
     return statistics.median(times)
 
 
@@ -105,8 +115,11 @@ def _probe_axis(mesh, axis: str, sizes, repeats: int) -> Link:
         elems = size // 4
         # Made on the devices, so that every process holds only its own shards.
         x = jax.jit(lambda: jnp.ones((devices * elems,), jnp.float32), out_shardings=sharding)()
-        seconds.append(_median_s(program, x, repeats))
+        seconds.append(_median_s(program, x, repeats, max_s=SLOW_CALL_S))
         wire.append(2 * (n - 1) / n * size)
+        if len(seconds) >= 2 and seconds[-1] > SLOW_CALL_S:
+            break  # a slow link: its bandwidth is already clear, larger sizes only cost time
+    sizes = sizes[:len(seconds)]
     latency, s_per_byte = fit_link(wire, seconds)
     if s_per_byte <= 0:
         raise ValueError(
@@ -118,20 +131,44 @@ def _probe_axis(mesh, axis: str, sizes, repeats: int) -> Link:
                         f"median of {repeats}")
 
 
-def _probe_codec(spec: str, nbytes: int, repeats: int, device) -> CodecCost:
+def _codec_programs(mesh, codec, shape):
+    """(encode, decode) of each device's own (rows, CODEC_ROW) block, every device
+    at once: shard_maps with no collective in them. Apart, so that XLA cannot
+    fuse a decode into its encode (bf16's round trip is two converts)."""
+    all_axes = tuple(mesh.axis_names)
+    key = jax.random.key(0) if codec.needs_key else None
+    local = functools.partial(jax.shard_map, mesh=mesh, in_specs=P(all_axes), out_specs=P(all_axes))
+
+    @jax.jit
+    @local
+    def encode(x):
+        # The payload's leaves on a leading axis of one per device.
+        return jax.tree.map(lambda a: a[None], codec.encode(x, key=key))
+
+    @jax.jit
+    @local
+    def decode(payload):
+        return codec.decode(jax.tree.map(lambda a: a[0], payload), shape, jnp.float32)
+    return encode, decode
+
+
+def _probe_codec(mesh, spec: str, nbytes: int, repeats: int) -> CodecCost:
     codec = arguments.parse(spec)
     rows = max(nbytes // (4 * CODEC_ROW), 1)
     shape = (rows, CODEC_ROW)
-    key = jax.random.key(0) if codec.needs_key else None
-    x = jax.device_put(jax.random.normal(jax.random.key(1), shape, jnp.float32), device)
-    encode = jax.jit(lambda v: codec.encode(v, key=key))
-    decode = jax.jit(lambda p: codec.decode(p, shape, jnp.float32))
+    devices = mesh.devices.size
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    x = jax.jit(lambda: jax.random.normal(jax.random.key(1), (devices * rows, CODEC_ROW),
+                                          jnp.float32), out_shardings=sharding)()
+    encode, decode = _codec_programs(mesh, codec, shape)
     payload = jax.block_until_ready(encode(x))
     raw = rows * CODEC_ROW * 4
     t_enc = _median_s(encode, x, repeats)
     t_dec = _median_s(decode, payload, repeats)
+    kind = jax.local_devices()[0].device_kind
     return CodecCost(encode_s_per_byte=t_enc / raw, decode_s_per_byte=t_dec / raw,
-                     comment=f"probe: {shape} float32 on {device.device_kind}, median of {repeats}")
+                     comment=f"probe: {shape} float32 per device on all {devices} x {kind} at "
+                             f"once, median of {repeats}")
 
 
 def _agree(values: list[float]) -> list[float]:
@@ -146,7 +183,7 @@ def _agree(values: list[float]) -> list[float]:
 def probe(mesh, codecs=DEFAULT_CODECS, sizes=DEFAULT_SIZES, *, codec_bytes=DEFAULT_CODEC_BYTES,
           repeats: int = 5) -> Profile:
     """Links of every axis of `mesh` of size > 1, and the cost of each of `codecs`
-    ("none" needs none) on this process's first device. sizes: bytes of float32
+    ("none" needs none) on every device of `mesh` at once. sizes: bytes of float32
     per device the psums move (at least two distinct). See the module doc."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
@@ -165,7 +202,7 @@ def probe(mesh, codecs=DEFAULT_CODECS, sizes=DEFAULT_SIZES, *, codec_bytes=DEFAU
     axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
     links = [_probe_axis(mesh, a, sizes, repeats) for a in axes]
     device = jax.local_devices()[0]
-    costs = [_probe_codec(c, codec_bytes, repeats, device) for c in names]
+    costs = [_probe_codec(mesh, c, codec_bytes, repeats) for c in names]
     flat = _agree([v for link in links for v in (link.latency_s, link.bytes_per_s)]
                   + [v for c in costs for v in (c.encode_s_per_byte, c.decode_s_per_byte)])
     links = {a: Link(flat[2 * i], flat[2 * i + 1], link.comment)

@@ -42,6 +42,7 @@ class Traffic:
     dtype: str = "float32"
     op: str = "all-reduce"
     row: int = DEFAULT_ROW
+    n: int = 2  # devices the collective spans; 2 codes the most per wire byte (errs to raw)
 
     def __post_init__(self):
         for name in ("raw_bytes", "collectives"):
@@ -62,6 +63,23 @@ class Traffic:
                              f"got {self.op!r}")
         if isinstance(self.row, bool) or not isinstance(self.row, int) or self.row < 1:
             raise ValueError(f"Traffic.row must be an int >= 1 (elements); got {self.row!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 2:
+            raise ValueError(f"Traffic.n must be an int >= 2 (devices the collective spans); "
+                             f"got {self.n!r}")
+
+    def codec_work(self) -> tuple[float, float]:
+        """(bytes encoded, bytes decoded) per raw wire byte of a coded `op` over n
+        devices, counting every piece a device codes: an all-reduce encodes its
+        buffer B and then its sum's 1/n, and decodes the n chunks it sums and the
+        n sums it gathers (2B), against 2(n-1)/n B on the wire; a reduce-scatter
+        encodes B and decodes the n chunks of its own piece; an all-gather
+        encodes its own piece (B/n) and decodes all n; a permute or all_to_all
+        codes what it sends once and decodes what it gets."""
+        n = self.n
+        decode = n / (n - 1)
+        return {"all-reduce": ((n + 1) / (2 * (n - 1)), decode),
+                "reduce-scatter": (n / (n - 1), decode),
+                "all-gather": (1 / (n - 1), decode)}.get(self.op, (1.0, 1.0))
 
     def coded_bytes(self, codec) -> float:
         """Bytes per device per step with `codec`: raw bytes times the codec's byte

@@ -77,7 +77,55 @@ def test_the_dcn_hop_gets_entries_of_its_own():
     assert chosen["dcn.grad"] == "int4:rot" and chosen["data.grad"] == "none"
 
 
+def test_the_per_hop_route_is_taken_only_where_it_predicts_less():
+    """Two processes joined by a slow link: the flat data axis crosses it, the
+    split mesh keeps half of the data ranks inside a process."""
+    cfg, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
+    k = auto.split_for(run, processes=2)
+    assert k == 2
+    split_run = runspec.validate(auto.uncompressed(auto.with_split(cfg, k)), 8)
+    slow_data = tune.Profile(links={**FAST.links, "data": tune.Link(1e-5, 1e8)},
+                             codecs=FAST.codecs, device="flat: the data ring crosses the link")
+    slow_dcn = tune.Profile(links={**FAST.links, "dcn": tune.Link(1e-5, 1e8)},
+                            codecs=FAST.codecs, device="split: fast inside, slow between")
+    flat = auto.choose(run, slow_data, None, 0.0, "test")
+    split = auto.choose(split_run, slow_dcn, None, 0.0, "test")
+    taken = auto.pick_route(flat, split, k)
+    assert taken["dcn_data"] == 2 and split["seconds"] < flat["seconds"]
+    assert taken["raw_seconds"] == flat["raw_seconds"]  # against the mesh as given, raw
+    assert set(taken["routes"]) == {"as given", "per hop (mesh.dcn_data=2)"}
+    final = runspec.validate(auto.with_policy(cfg, taken), 8)
+    assert final.mesh_split() == 2 and str(final.policy["dcn", "grad"]) == "int4:rot"
+    assert "route taken: per hop, mesh.dcn_data=2" in auto.table(taken)
+    # Everything fast: both routes send raw, and a tie keeps the mesh as given.
+    same = auto.pick_route(auto.choose(run, FAST, None, 0.0, "test"),
+                           auto.choose(split_run, FAST, None, 0.0, "test"), k)
+    assert "dcn_data" not in same or same["dcn_data"] == 1
+    assert runspec.validate(auto.with_policy(cfg, same), 8).mesh_split() == 1
+
+
+def test_no_route_is_weighed_where_there_is_no_split_to_make():
+    _, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
+    assert auto.split_for(run, processes=1) is None  # nothing slow between processes
+    assert auto.split_for(run, processes=4) is None  # one data rank per process
+    _, split = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "mesh.dcn_data": 2})
+    assert auto.split_for(split, processes=2) is None  # the user split it already
+
+
+def test_compute_seconds_turn_communication_into_a_predicted_step():
+    _, run = uncompressed_run()
+    slow = auto.choose(run, SLOW, None, 0.0, "test")
+    unknown = auto.with_compute(slow, 0.0)
+    assert unknown["step_s"] is None and "predicted step" not in auto.table(unknown)
+    known = auto.with_compute(slow, 0.25)
+    assert known["step_s"] == pytest.approx(0.25 + slow["seconds"])
+    assert known["raw_step_s"] == pytest.approx(0.25 + slow["raw_seconds"])
+    assert "predicted step: " in auto.table(known)
+
+
 @pytest.mark.parametrize("field,value,named", [
+    ("compression.compute_s", -1.0, "compression.compute_s=-1.0"),
+    ("compression.compute_s", float("inf"), "compression.compute_s=inf"),
     ("compression.auto", "maybe", "compression.auto='maybe'"),
     ("compression.budget", "grad=int2", "compression.budget='grad=int2'"),
     ("compression.budget", "grad", "compression.budget='grad'"),

@@ -28,13 +28,22 @@ def _profile(**links):
     return Profile(links=links, codecs={c: CodecCost(*v) for c, v in COST.items()}, device="made up")
 
 
-def _expected(link, codec, raw, n, overlap=0.0, coded_n=2):
+# Bytes a coded collective over 2 devices encodes and decodes per raw wire byte,
+# counted by hand (wire: an all-reduce 2(n-1)/n of its buffer B = B, an
+# all-gather (n-1)/n of its output = half of it): the all-reduce encodes B and
+# its sum's half, and decodes the 2 chunks it sums and the 2 sums it gathers;
+# the all-gather encodes its own half and decodes both.
+WORK = {"all-reduce": (1.5, 2.0), "all-gather": (1.0, 2.0)}
+
+
+def _expected(link, codec, raw, n, overlap=0.0, coded_n=2, op="all-reduce"):
     """Exposed link time + codec time, the model of the module doc, by hand."""
     if codec == "none":
         return (1 - overlap) * (n * link.latency_s + raw / link.bytes_per_s)
     enc, dec = COST[codec]
+    e, d = WORK[op]
     return ((1 - overlap) * (coded_n * n * link.latency_s + RATIO[codec] * raw / link.bytes_per_s)
-            + (enc + dec) * raw)
+            + (enc * e + dec * d) * raw)
 
 
 def test_a_fast_link_sends_raw_and_a_slow_one_the_most_compressed_allowed():
@@ -70,7 +79,20 @@ def test_ops_other_than_all_reduce_code_in_one_collective():
     t = Traffic(raw_bytes=4e6, collectives=5, op="all-gather")
     d = tune.choose(_profile(data=link), {("data", "param"): t})
     for codec, seconds in d.choices[0].candidates:
-        assert seconds == pytest.approx(_expected(link, codec, 4e6, 5, coded_n=1), rel=1e-12)
+        assert seconds == pytest.approx(_expected(link, codec, 4e6, 5, coded_n=1, op="all-gather"),
+                                        rel=1e-12)
+
+
+def test_codec_work_per_wire_byte_shrinks_with_the_devices_spanned():
+    """Over n devices an all-reduce puts 2(n-1)/n of its buffer B on the wire and
+    codes (1 + 1/n) B and 2 B: per wire byte (n+1)/(2(n-1)) and n/(n-1)."""
+    for n, expect in ((2, (1.5, 2.0)), (4, (5 / 6, 4 / 3)), (8, (9 / 14, 8 / 7))):
+        got = Traffic(raw_bytes=1.0, collectives=1, n=n).codec_work()
+        assert got == pytest.approx(expect), n
+    assert Traffic(1.0, 1, op="permute").codec_work() == (1.0, 1.0)
+    assert Traffic(1.0, 1, op="reduce-scatter", n=4).codec_work() == pytest.approx((4 / 3, 4 / 3))
+    with pytest.raises(ValueError, match="Traffic.n must be an int >= 2"):
+        Traffic(1.0, 1, n=1)
 
 
 def test_when_the_link_is_hidden_behind_compute_raw_wins():
