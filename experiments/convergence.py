@@ -47,7 +47,8 @@ Every run is `python train.py` in a subprocess with its own workdir under
             steps (top 64 or 256 of every 4096-entry chunk, 2-bit values,
             residual decay 0.95); streaming, fragments as blocks of layers
             synced in turn (every 50 or every 10 steps, in 2 fragments,
-            int4:rot); and hop_raw, the every-step run with two hops and nothing coded,
+            int4:rot); raw pseudo-gradients at H=10 under outer (lr, Nesterov
+            momentum) (0.5, 0.5), (0.3, 0.7) and (1.0, 0.9); and hop_raw, the every-step run with two hops and nothing coded,
             whose bytes across the slow hop are the baseline's. Same mesh as
             hops: run it with hops' --set flags into hops' --out
 
@@ -136,7 +137,11 @@ OUTER_RUNS = tuple((h, 1, codec, ef, slug, 1.0, 0.0) for h in (10, 50)
     + tuple((10, 1, f"sparseloco:k={k}:chunk=4096:beta=0.95", "on", f"sparseloco_k{k}", 1.0, 0.0)
             for k in (64, 256)) \
     + tuple((10, 1, codec, "off", f"nesterov_{slug}", 0.7, 0.9)
-            for codec, slug in (("none", "none"), ("int4:rot", "int4rot")))
+            for codec, slug in (("none", "none"), ("int4:rot", "int4rot"))) \
+    + tuple((10, 1, "none", "off", f"lr{lr:g}_m{m:g}_none", lr, m)
+            for lr, m in ((0.5, 0.5), (0.3, 0.7), (1.0, 0.9)))
+# The outer lr x momentum table (docs/experiments.md) is outer_h10_none (lr 1,
+# momentum 0), the nesterov_none run (DiLoCo's 0.7, 0.9) and these three.
 SGD_FLAGS = ("--config.optim.name=sgd", "--config.optim.lr=0.3")
 EF_RUNS = ("baseline", "grad_int4_efon", "grad_int4_efoff")
 PAPER_HYBRID = {"data.grad": "int4", "data.param": "int8", **_tp_act("int8")}
