@@ -84,6 +84,7 @@ import sys
 import tempfile
 import time
 
+from jcomp.train import auto as auto_lib
 from tools.netns import BURST, PREFIX, Namespace, Pair, Unavailable, rate_bits, remove_stale  # noqa: F401
 from tools.netns import _run, signals_deferred, unavailable_reason  # noqa: F401
 
@@ -303,7 +304,8 @@ def _auto_figures(decision: dict) -> dict:
                 route_links={k: v["links"] for k, v in decision.get("routes", {}).items()},
                 codec_s_per_byte={c: v["encode_s_per_byte"] + v["decode_s_per_byte"]
                                   for c, v in decision["profile"]["codecs"].items()},
-                predicted_s=decision["seconds"], predicted_raw_s=decision["raw_seconds"])
+                predicted_s=decision["seconds"], predicted_raw_s=decision["raw_seconds"],
+                table=auto_lib.table(decision))  # as train.py printed it
 
 
 def _outer_figures(by_step, static, window, delta, devices) -> dict:
