@@ -19,6 +19,13 @@ share of link time hidden behind compute. Its choices become policy entries
 ("data.grad": codec, ...) set on a copy of the config, which then goes through
 `runspec.validate` as if the user had written them.
 
+With the probe and several processes, the per-hop route is weighed too
+(`split_for`): the mesh split into one slow-hop group per process
+(mesh.dcn_data) is probed and chosen for, and the route of less predicted
+communication is taken (`pick_route`); the uncompressed reference stays the
+mesh as given. compression.compute_s (seconds of a step's computation; 0:
+unknown) turns the predicted communication into a predicted step time.
+
 Entries the user sets are refused, not kept: compression.policy other than
 "baseline", any compression.AXIS.KIND or compression.dcn.KIND, and a schedule
 naming a codec (a bare "@STEP" start is kept, as are warmup_steps, layers,
