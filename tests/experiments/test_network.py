@@ -136,9 +136,18 @@ def test_a_row_of_compression_auto_keeps_its_decision_and_its_steps():
     """compression.auto's first metrics record has no step: the row's figures come
     from the step records as for any policy, and the row carries the decision
     (the codec and link per entry, the predicted seconds against raw)."""
-    decision = {"seconds": 0.2, "raw_seconds": 0.5, "entries": {
-        "data.grad": {"codec": "int4:rot", "latency_s": 1e-4, "bytes_per_s": 1.2e7},
-        "data.param": {"codec": "int8", "latency_s": 1e-4, "bytes_per_s": 1.2e7}}}
+    entries = {"data.grad": {"codec": "int4:rot", "latency_s": 1e-4, "bytes_per_s": 1.2e7,
+                             "raw_bytes": 4e6, "coded_bytes": 5e5, "seconds": 0.1,
+                             "raw_seconds": 0.25},
+               "data.param": {"codec": "int8", "latency_s": 1e-4, "bytes_per_s": 1.2e7,
+                              "raw_bytes": 4e6, "coded_bytes": 1e6, "seconds": 0.1,
+                              "raw_seconds": 0.25}}
+    decision = {"seconds": 0.2, "raw_seconds": 0.5, "source": "probed at start",
+                "overlap": 0.0, "device": "test", "entries": entries, "dcn_data": 2,
+                "routes": {"as given": {"seconds": 0.3, "links": {}},
+                           "per hop (mesh.dcn_data=2)": {"seconds": 0.2, "links": {}}},
+                "profile": {"codecs": {"int8": {"encode_s_per_byte": 1e-9,
+                                                "decode_s_per_byte": 2e-9}}}}
     steps = [{"step": s, "step_time_s": 0.1 * s, "loss": 5.0 - s, "wire_bytes_total": 100.0,
               "devices": 8} for s in range(1, 5)]
     marks = {s: ((1000 * s, 10 * s, 0), 0.1 * s) for s in range(1, 5)}
@@ -147,9 +156,15 @@ def test_a_row_of_compression_auto_keeps_its_decision_and_its_steps():
     plain = net.summarize(dict(raw, records=steps), warm_steps=1)
     row = net.summarize(raw, warm_steps=1)
     assert {k: v for k, v in row.items() if k != "auto"} == plain
+    table = row["auto"].pop("table")
     assert row["auto"] == {"codecs": {"data.grad": "int4:rot", "data.param": "int8"},
                            "links": {"data.grad": [1e-4, 1.2e7], "data.param": [1e-4, 1.2e7]},
+                           "dcn_data": 2, "routes": {"as given": 0.3,
+                                                     "per hop (mesh.dcn_data=2)": 0.2},
+                           "route_links": {"as given": {}, "per hop (mesh.dcn_data=2)": {}},
+                           "codec_s_per_byte": {"int8": 1e-9 + 2e-9},
                            "predicted_s": 0.2, "predicted_raw_s": 0.5}
+    assert "route taken: per hop, mesh.dcn_data=2" in table and "int4:rot" in table
     assert net._flags("auto", {}) == ["--config.compression.policy=baseline",
                                       "--config.compression.auto=on"]
 
@@ -354,6 +369,40 @@ def test_a_pair_throttles_and_counts_only_what_crosses_between_its_namespaces():
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert not set(names) & set(listed), listed
     assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
+
+
+def test_the_auto_section_checks_auto_against_the_fastest_and_its_prediction():
+    def row(rate, policy, step, repeat, auto=None):
+        settings = dict(procs=2, config="configs/base.py", warmup_steps=2, hops=True,
+                        set={"mesh.data": "4"}, kind="sweep", rate=rate, policy=policy,
+                        steps=14, eval_every=14, repeat=repeat)
+        return dict(settings=settings, commit="abc1234def", date=f"2026-12-05T0{repeat}",
+                    median_step_s=step, **({"auto": auto} if auto else {}))
+
+    def decision(predicted, raw, codec, dcn_bps):
+        return {"codecs": {"dcn.grad": codec, "tensor.act": "none"}, "dcn_data": 2,
+                "predicted_s": predicted, "predicted_raw_s": raw,
+                "route_links": {"per hop (mesh.dcn_data=2)": {"dcn": {"bytes_per_s": dcn_bps}}}}
+
+    rows = []
+    for i in range(3):
+        rows += [row("unthrottled", "baseline", 0.30, i), row("unthrottled", "hybrid", 0.32, i),
+                 row("unthrottled", "auto", 0.29, i, decision(0.01, 0.05, "none", 1e8)),
+                 row("10mbit", "baseline", 4.0, i), row("10mbit", "hybrid_perhop", 0.80, i),
+                 row("10mbit", "auto", 0.90, i, decision(0.60, 4.0, "int4:rot", 3.0e5))]
+    text, claims = rep.auto_section({"rows": rows, "warm_steps": 2})
+    # compute = 0.30 (unthrottled baseline) - 0.05 (its predicted raw communication)
+    assert "0.250 s" in text
+    fast, slow = claims
+    assert fast.startswith("compression.auto at unthrottled: 0.290 s per step, 0.967x the fastest")
+    assert "PASS (within 5% of the fastest" in fast
+    assert "predicted 0.260 s, 0.90x measured: PASS" in fast
+    # 0.90 s against hybrid_perhop's 0.80: 1.125x the fastest fails; 0.85 predicted passes.
+    assert "1.125x the fastest" in slow and "FAIL (within 5%" in slow
+    assert "predicted 0.850 s, 0.94x measured: PASS" in slow and "dcn.grad=int4:rot" in slow
+    line = next(l for l in text.splitlines() if l.startswith("| 10mbit"))
+    # The probed link: 0.3 MB/s per device x 4 devices of a process = 1.2 MB/s, 0.96x 10 Mbit/s.
+    assert "| 1.20 | 0.96 |" in line
 
 
 def test_the_hops_section_compares_per_hop_with_flat_hybrid_side_by_side():
