@@ -14,6 +14,12 @@ The namespace (named jcnet-<pid>) holds only a loopback, so no byte can leave
 it; it is removed on every way out (done, error, Ctrl-C, SIGTERM), and one left
 behind by a killed run (its pid gone) is removed on the next start.
 
+--procs 1: one process holding all 8 devices, nothing on the link (its
+collectives are memory copies): the step's compute, which report_network's
+compression.auto section adds to the predicted communication, e.g.
+`--procs 1 --rates unthrottled --policies baseline --ttl-rate '' --set ...
+--out experiments/results/network_auto.json`.
+
 --hops: two hops instead of one link. Each of the 2 processes runs in a
 namespace of its own (tools.netns.Pair), the two joined by a veth pair throttled
 at both ends; a process's own devices talk over its namespace's unthrottled
@@ -521,7 +527,9 @@ def _key_value(item: str):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--procs", type=int, default=2, help="processes of train.py: 2 or 4 (see the module doc for 4)")
+    p.add_argument("--procs", type=int, default=2,
+                   help="processes of train.py: 2 or 4 (see the module doc for 4); 1, no link: "
+                        "a step's compute, its collectives memory copies")
     p.add_argument("--config", default="configs/base.py")
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warm-steps", type=int, default=2, help="first steps left out of medians")
@@ -551,8 +559,8 @@ def parse_args(argv):
     p.add_argument("--count-collectives", action="store_true",
                    help="only add collectives_per_step to the rows of --out that lack it")
     args = p.parse_args(argv)
-    if args.procs not in (2, 4):
-        p.error(f"--procs must be 2 or 4; got {args.procs}")
+    if args.procs not in (1, 2, 4):
+        p.error(f"--procs must be 1, 2 or 4; got {args.procs}")
     if args.hops and args.procs != 2:
         p.error(f"--hops runs one process per namespace, two namespaces: --procs must be 2; "
                 f"got {args.procs}")

@@ -515,24 +515,35 @@ def auto_section(net: dict) -> tuple[str, list[str]]:
     baseline, what it chose, and its predicted step time against the measured.
 
     The prediction is the probe's: compute + the chosen communication (the
-    decision's seconds), where compute is the unthrottled baseline's measured
-    step less the communication the unthrottled probe predicts for it (the
-    uncompressed step's, the decision's raw seconds). The rig's link figure is
-    the per-hop probe's 'dcn' bandwidth per device times the devices of a
-    process (all of them cross at once), against tc's rate."""
-    commit = _main_commit(net)
+    decision's seconds). Compute is the baseline's step in one process
+    (`--procs 1`: the same 8 devices and program, its collectives memory
+    copies), the median of those rows whatever their commit; without them, the
+    unthrottled baseline's step less the communication the unthrottled probe
+    predicts for it (the decision's raw seconds). The rig's link figure is the
+    per-hop probe's 'dcn' bandwidth per device times the devices of a process
+    (all of them cross at once), against tc's rate."""
+    one = [r for r in net["rows"] if "error" not in r and r["settings"]["procs"] == 1
+           and r["settings"]["policy"] == "baseline" and r["settings"]["kind"] == "sweep"]
+    commit = _main_commit({"rows": [r for r in net["rows"] if r["settings"]["procs"] > 1]})
     if commit is None:
         return "No successful network.py run with compression.auto yet.", []
-    rows = [r for r in _rows(net, commit) if r["settings"]["kind"] == "sweep"]
+    rows = [r for r in _rows(net, commit) if r["settings"]["kind"] == "sweep"
+            and r["settings"]["procs"] > 1]
     groups: dict = {}
     for r in rows:
         groups.setdefault(r["settings"]["rate"], {}).setdefault(r["settings"]["policy"], []).append(r)
     med = lambda rs, k: statistics.median(r[k] for r in rs)
     unthrottled = groups.get("unthrottled", {})
-    compute = None
-    if "baseline" in unthrottled and AUTO_POLICY in unthrottled:
+    compute, compute_from = None, ""
+    if one:
+        compute = med(one, "median_step_s")
+        compute_from = (f"the baseline in one process, median of {len(one)} runs at "
+                        f"{', '.join(sorted({r['commit'][:7] for r in one}))}")
+    elif "baseline" in unthrottled and AUTO_POLICY in unthrottled:
         compute = med(unthrottled["baseline"], "median_step_s") - statistics.median(
             r["auto"]["predicted_raw_s"] for r in unthrottled[AUTO_POLICY])
+        compute_from = ("the unthrottled baseline's step less the communication the "
+                        "unthrottled probe predicts for it")
     s0 = rows[0]["settings"]
     per_process = 8 // s0["procs"]
     table, claims = [], []
@@ -580,8 +591,8 @@ def auto_section(net: dict) -> tuple[str, list[str]]:
            f"repeat-major. Commit {commit[:7]}. auto: compression.auto=on with the probe at "
            "start (links of the mesh as given and of its per-hop split, codecs on every "
            "device at once), then the route and codecs of least predicted communication. "
-           "Predicted: compute (the unthrottled baseline's step less the communication the "
-           f"unthrottled probe predicts for it{'' if compute is None else f', {compute:.3f} s'}"
+           f"Predicted: compute ({compute_from or 'not measured'}"
+           f"{'' if compute is None else f': {compute:.3f} s'}"
            ") plus the chosen communication as the probe at that rate predicts it. Probed "
            f"link: the per-hop probe's 'dcn' bandwidth per device x {per_process} devices "
            "crossing at once, against tc's rate.", "",

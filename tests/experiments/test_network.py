@@ -403,6 +403,17 @@ def test_the_auto_section_checks_auto_against_the_fastest_and_its_prediction():
     line = next(l for l in text.splitlines() if l.startswith("| 10mbit"))
     # The probed link: 0.3 MB/s per device x 4 devices of a process = 1.2 MB/s, 0.96x 10 Mbit/s.
     assert "| 1.20 | 0.96 |" in line
+    # With the baseline run in one process (--procs 1), its step is the compute.
+    alone = []
+    for i, step in enumerate((0.27, 0.26, 0.5)):
+        r = row("unthrottled", "baseline", step, i)
+        r["settings"]["procs"] = 1
+        r["commit"] = "fed4321abc"
+        alone.append(r)
+    text, claims = rep.auto_section({"rows": rows + alone, "warm_steps": 2})
+    assert "the baseline in one process, median of 3 runs at fed4321: 0.270 s" in text
+    assert "predicted 0.280 s, 0.97x measured: PASS" in claims[0]
+    assert "commit abc1234" in text.lower()
 
 
 def test_the_hops_section_compares_per_hop_with_flat_hybrid_side_by_side():
