@@ -35,7 +35,9 @@ Every run is `python train.py` in a subprocess with its own workdir under
             on data gradients, and the candidates for the hybrid preset
   hops      the slow hop alone (mesh.dcn_data=2): data gradients int4:rot and
             parameters int8 between the two halves of the data axis, raw
-            inside each, against the same codecs over the whole data axis.
+            inside each, against the same codecs over the whole data axis;
+            and hop_auto100mbit, the most coded of compression.auto's choices
+            at 100 Mbit/s on the two-hop rig (int8 inside as well).
             Needs a data axis of >= 4 (a fast hop of >= 2): run it with
             --set mesh.data=4 --set mesh.tensor=2 --set mesh.pipeline=1
             and an --out of its own, so that its baseline has that mesh too
@@ -249,6 +251,13 @@ def run_specs() -> list[dict]:
                      overrides=flat, error_feedback="off"))
     runs.append(dict(name="hop_perhop", suite="hops", group="main", policy="baseline",
                      overrides={k.replace("data.", "dcn."): v for k, v in flat.items()},
+                     error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
+    # The most coded of compression.auto's choices at 100 Mbit/s on the two-hop rig
+    # (experiments/results/network_auto.json: its three runs chose hop_flat's
+    # codecs, this, and this without int8 gradients inside a process).
+    runs.append(dict(name="hop_auto100mbit", suite="hops", group="main", policy="baseline",
+                     overrides={"data.grad": "int8", "data.param": "int8",
+                                "dcn.grad": "int4:rot", "dcn.param": "int8"},
                      error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
     # The outer loop across the same slow hop (jcomp/train/outer.py).
     runs.append(dict(name="hop_raw", suite="outer", group="main", policy="baseline",

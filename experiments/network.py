@@ -14,9 +14,10 @@ The namespace (named jcnet-<pid>) holds only a loopback, so no byte can leave
 it; it is removed on every way out (done, error, Ctrl-C, SIGTERM), and one left
 behind by a killed run (its pid gone) is removed on the next start.
 
---procs 1: one process holding all 8 devices, nothing on the link (its
-collectives are memory copies): the step's compute, which report_network's
-compression.auto section adds to the predicted communication, e.g.
+--procs 1: one process holding all 8 devices, nothing between processes (its
+collectives still cross gloo's TCP on its loopback): the step without the
+link, which report_network's compression.auto section takes as the compute it
+adds to the predicted communication, e.g.
 `--procs 1 --rates unthrottled --policies baseline --ttl-rate '' --set ...
 --out experiments/results/network_auto.json`.
 
@@ -528,8 +529,8 @@ def _key_value(item: str):
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--procs", type=int, default=2,
-                   help="processes of train.py: 2 or 4 (see the module doc for 4); 1, no link: "
-                        "a step's compute, its collectives memory copies")
+                   help="processes of train.py: 2 or 4 (see the module doc for 4); 1: the step "
+                        "with nothing between processes")
     p.add_argument("--config", default="configs/base.py")
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warm-steps", type=int, default=2, help="first steps left out of medians")

@@ -516,8 +516,9 @@ def auto_section(net: dict) -> tuple[str, list[str]]:
 
     The prediction is the probe's: compute + the chosen communication (the
     decision's seconds). Compute is the baseline's step in one process
-    (`--procs 1`: the same 8 devices and program, its collectives memory
-    copies), the median of those rows whatever their commit; without them, the
+    (`--procs 1`: the same 8 devices and program, nothing between processes,
+    its collectives over gloo on its own loopback), the median of those rows
+    whatever their commit; without them, the
     unthrottled baseline's step less the communication the unthrottled probe
     predicts for it (the decision's raw seconds). The rig's link figure is the
     per-hop probe's 'dcn' bandwidth per device times the devices of a process
