@@ -202,7 +202,7 @@ def test_suites_and_bad_arguments():
 
 def test_the_hops_suite_codes_the_same_data_messages_on_one_hop_or_the_whole_axis():
     specs = {s["name"]: s for s in conv.select("hops")}
-    assert list(specs) == ["baseline", "hop_flat", "hop_perhop"]
+    assert list(specs) == ["baseline", "hop_flat", "hop_perhop", "hop_auto100mbit"]
     flat = conv.train_args(specs["hop_flat"], "configs/base.py", 600, 120, 60)
     perhop = conv.train_args(specs["hop_perhop"], "configs/base.py", 600, 120, 60)
     assert {"--config.compression.data.grad=int4:rot",
@@ -210,6 +210,10 @@ def test_the_hops_suite_codes_the_same_data_messages_on_one_hop_or_the_whole_axi
     assert {"--config.compression.dcn.grad=int4:rot", "--config.compression.dcn.param=int8",
             "--config.mesh.dcn_data=2"} <= set(perhop)
     assert not any(a.startswith("--config.compression.data.") for a in perhop)
+    auto = conv.train_args(specs["hop_auto100mbit"], "configs/base.py", 600, 120, 60)
+    assert {"--config.compression.data.grad=int8", "--config.compression.data.param=int8",
+            "--config.compression.dcn.grad=int4:rot", "--config.compression.dcn.param=int8",
+            "--config.mesh.dcn_data=2"} <= set(auto)
 
 
 def test_set_overrides_typed_config_fields_and_names_a_bad_one():
@@ -507,7 +511,12 @@ def test_a_forward_codec_that_moves_the_loss_beyond_the_seed_spread_is_flagged()
 def test_the_outer_suite_reports_bytes_across_the_slow_hop_against_the_uncoded_two_hop_run(
         tmp_path):
     names = [sp["name"] for sp in conv.select("outer")]
-    assert names[:2] == ["baseline", "hop_raw"] and "outer_h50_f5_int4rot" in names
+    assert names[:2] == ["baseline", "hop_raw"]
+    assert {"outer_h50_f2_int4rot", "outer_h10_f2_int4rot", "outer_h10_sparseloco_k64",
+            "outer_h10_lr0.3_m0.7_none"} <= set(names) and "outer_h50_f5_int4rot" not in names
+    sparse = next(sp for sp in conv.run_specs() if sp["name"] == "outer_h10_sparseloco_k256")
+    assert "--config.outer.codec=sparseloco:k=256:chunk=4096:beta=0.95" in conv.train_args(
+        sparse, "configs/base.py", 600, 120, 60)
     h10 = next(sp for sp in conv.run_specs() if sp["name"] == "outer_h10_topk3_ef")
     args = conv.train_args(h10, "configs/base.py", 600, 120, 60)
     for flag in ("--config.mesh.dcn_data=2", "--config.outer.every=10",
