@@ -37,8 +37,8 @@ class _Run:
             0, self.run.model.vocab_size, (t.batch_size, self.run.data.seq_len + 1))
         return global_batch(self.mesh, rows, t.batch_size)
 
-    def step(self, seed):
-        """One inner step (and the syncs due after it) -> the step's wire report."""
+    def inner_step(self, seed):
+        """One inner step, no sync after it -> the step's wire report."""
         phase = self.run.phases[0][1]
         inner = {k: v for k, v in self.state.items() if k != "outer"}
         batch = self.batch(seed)
@@ -47,6 +47,11 @@ class _Run:
         jax.block_until_ready(m)
         self.state = {**inner, "outer": self.state["outer"]} if self.syncs else inner
         self.done += 1
+        return report
+
+    def step(self, seed):
+        """One inner step (and the syncs due after it) -> the step's wire report."""
+        report = self.inner_step(seed)
         for f in outerconfig.due(self.done, self.run.outer):
             self.state, _ = self.syncs.run_sync(f, self.state, self.done)
         return report

@@ -12,7 +12,7 @@ from tests.train.tinyconfig import tiny_config
 
 def _step(r, seed):
     """One inner step, then the merges and syncs due after it, as the loop runs them."""
-    _inner_only(r, seed)
+    r.inner_step(seed)
     for f in outerconfig.applied(r.done, r.run.outer):
         r.state, _ = r.syncs.run_apply(f, r.state)
     for f in outerconfig.due(r.done, r.run.outer):
@@ -97,7 +97,7 @@ def test_a_started_sync_is_merged_delay_steps_later():
     for t in range(1, 4):
         _step(r, t)
     held = _np(r.state)
-    _inner_only(r, 4)
+    r.inner_step(4)
     want = _np(blocking(r.state, np.int32(4))["outer"]["anchor"])
     r.state, _ = r.syncs.run_sync(0, r.state, 4)
     after = _np(r.state)
@@ -108,7 +108,7 @@ def test_a_started_sync_is_merged_delay_steps_later():
                                                         jax.tree.leaves(after["params"])))
     _step(r, 5)
     assert outerconfig.applied(6, r.run.outer) == [0]
-    _inner_only(r, 6)
+    r.inner_step(6)
     own = jax.tree.leaves(_np(r.state["zero"]["master"]))
     r.state, _ = r.syncs.run_apply(0, r.state)
     got = jax.tree.leaves(_np(r.state["zero"]["master"]))
@@ -119,17 +119,6 @@ def test_a_started_sync_is_merged_delay_steps_later():
         assert p.shape[0] == 2  # islands differ still: each kept its own share
     anchor_after = jax.tree.leaves(_np(r.state["outer"]["anchor"]))
     assert all(np.array_equal(x, y) for x, y in zip(anchor_after, jax.tree.leaves(want)))
-
-
-def _inner_only(r, seed):
-    phase = r.run.phases[0][1]
-    inner = {k: v for k, v in r.state.items() if k != "outer"}
-    batch = r.batch(seed)
-    exe, _ = r.steps.train(phase, inner, batch)
-    inner, m = exe(inner, batch)
-    jax.block_until_ready(m)
-    r.state = {**inner, "outer": r.state["outer"]}
-    r.done += 1
 
 
 def test_a_resume_cannot_drop_or_add_a_delay():
