@@ -95,14 +95,20 @@ def test_kill_mid_interval_resumes_bit_for_bit(full, tmp_path):
     H=4, the islands differ and carry error-feedback residuals) and repeats
     steps 4-8, syncs included, bit for bit: losses, gradient norms, validation
     losses and every array of the final checkpoint."""
-    workdir = str(tmp_path / "killed")
-    proc = run(workdir, *OUTER, kill_during_save=6)
+    _killed_at_6_resumes_as(full, str(tmp_path / "killed"), OUTER,
+                            ("loss", "grad_norm", "val_loss"))
+
+
+def _killed_at_6_resumes_as(full, workdir, flags, keys):
+    """kill -9 during the save of step 6, then rerun: steps 4-8 repeat the
+    uninterrupted run's `keys` and its final checkpoint bit for bit."""
+    proc = run(workdir, *flags, kill_during_save=6)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
-    again = run(workdir, *OUTER)
+    again = run(workdir, *flags)
     assert again.returncode == 0, again.stderr[-3000:]
     want, got = records(full), records(workdir)
     for s in range(4, 9):
-        for key in ("loss", "grad_norm", "val_loss"):
+        for key in keys:
             assert got[s].get(key) == want[s].get(key), (s, key, got[s], want[s])
     assert state_digest(workdir, 8) == state_digest(full, 8)
 
@@ -189,16 +195,8 @@ def test_stream_killed_mid_round_resumes_bit_for_bit(stream, tmp_path):
     """kill -9 during the save of step 6: resumed from step 3 (fragment 1 synced
     at step 2, fragment 0 not yet; SparseLoCo's residuals in flight), steps 4-8
     repeat bit for bit, and so does every array of the final checkpoint."""
-    workdir = str(tmp_path / "killed")
-    proc = run(workdir, *STREAM, kill_during_save=6)
-    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
-    again = run(workdir, *STREAM)
-    assert again.returncode == 0, again.stderr[-3000:]
-    want, got = records(stream), records(workdir)
-    for s in range(4, 9):
-        for key in ("loss", "grad_norm", "val_loss", "val_loss_islands"):
-            assert got[s].get(key) == want[s].get(key), (s, key, got[s], want[s])
-    assert state_digest(workdir, 8) == state_digest(stream, 8)
+    _killed_at_6_resumes_as(stream, str(tmp_path / "killed"), STREAM,
+                            ("loss", "grad_norm", "val_loss", "val_loss_islands"))
 
 
 # The same with a delayed sync (outer.delay=2): fragment 1 starts after step 2 and
@@ -217,13 +215,5 @@ def test_a_delayed_sync_in_flight_at_a_save_resumes_bit_for_bit(tmp_path):
     want = records(full)
     assert [want[s].get("outer_applied") for s in (4, 6, 8)] == [1, 0, 1], want
     assert [want[s].get("outer_started_at") for s in (4, 6, 8)] == [2, 4, 6], want
-    killed = str(tmp_path / "killed")
-    proc = run(killed, *DELAYED, kill_during_save=6)
-    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
-    again = run(killed, *DELAYED)
-    assert again.returncode == 0, again.stderr[-3000:]
-    got = records(killed)
-    for s in range(4, 9):
-        for key in ("loss", "grad_norm", "val_loss", "val_loss_islands"):
-            assert got[s].get(key) == want[s].get(key), (s, key, got[s], want[s])
-    assert state_digest(killed, 8) == state_digest(full, 8)
+    _killed_at_6_resumes_as(full, str(tmp_path / "killed"), DELAYED,
+                            ("loss", "grad_norm", "val_loss", "val_loss_islands"))
