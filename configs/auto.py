@@ -1,5 +1,7 @@
 """configs/base.py with the codecs chosen by the trainer from measured links:
-the mesh is probed at start (a few seconds), or read from a profile.
+the mesh is probed at start (a few seconds), or read from a profile, and the
+candidates the model cannot tell apart are timed for 3 steps each
+(compression.trial) before training starts.
 
     python train.py --config=configs/auto.py
     python train.py --config=configs/auto.py \\
@@ -13,4 +15,5 @@ from configs import base
 def get_config():
     c = base.get_config()
     c.compression.auto = "on"
+    c.compression.trial = 3
     return c

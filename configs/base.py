@@ -56,7 +56,9 @@ def get_config():
         profile="",             # with auto: a profile JSON (jcomp.tune); "" probes the mesh at start
         budget="",              # with auto: the most compressed codec per kind, "grad=int8,act=none"
         overlap=0.0,            # with auto: the share of link time hidden behind compute, [0, 1]
-        compute_s=0.0))         # with auto: a step's compute seconds, to predict step time (0: unknown)
+        compute_s=0.0,          # with auto: a step's compute seconds, to predict step time (0: unknown)
+        trial=0))               # with auto: time this many steps of each close candidate and
+                                # take the fastest (0: the model alone decides)
     # Per-(axis, kind) schedule: "CODEC@STEP,..." with increasing steps, uncompressed
     # before the first; a bare "@STEP" starts the policy's codec ("" = from step 0).
     # E.g. schedule.data.grad="bf16@0,int8@200,int4@1000". See jcomp/gpt/schedule.py.

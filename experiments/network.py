@@ -136,9 +136,11 @@ POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those 
                    "outer.codec": "topk:0.03", "outer.error_feedback": "on"},
     # compression.auto: the codec per axis and kind chosen at start from a probe of
     # the run's own mesh (jcomp.train.auto), which with two processes weighs the
-    # per-hop split (mesh.dcn_data=2) too; auto_perhop is given that split.
-    "auto": {"policy": "baseline", "auto": "on"},
-    "auto_perhop": {"policy": "baseline", "mesh.dcn_data": "2", "auto": "on"},
+    # per-hop split (mesh.dcn_data=2) too; auto_perhop is given that split. As
+    # configs/auto.py, the candidates the model cannot tell apart are timed for
+    # 3 steps each before training (compression.trial).
+    "auto": {"policy": "baseline", "auto": "on", "trial": "3"},
+    "auto_perhop": {"policy": "baseline", "mesh.dcn_data": "2", "auto": "on", "trial": "3"},
 }
 
 
@@ -312,6 +314,11 @@ def _auto_figures(decision: dict) -> dict:
                 codec_s_per_byte={c: v["encode_s_per_byte"] + v["decode_s_per_byte"]
                                   for c, v in decision["profile"]["codecs"].items()},
                 predicted_s=decision["seconds"], predicted_raw_s=decision["raw_seconds"],
+                # compression.trial: each candidate's measured step, the model's
+                # prediction with compute from the uncompressed trial, and the taken
+                # one's trial time (the decision's predicted step).
+                **({"trial": decision["trial"], "trial_step_s": decision["step_s"]}
+                   if decision.get("trial") else {}),
                 table=auto_lib.table(decision))  # as train.py printed it
 
 

@@ -557,8 +557,15 @@ def auto_section(net: dict) -> tuple[str, list[str]]:
         a = steps[AUTO_POLICY]
         autos = pol[AUTO_POLICY]
         choices = sorted({_choice(r["auto"]) for r in autos})
-        predicted = (compute + statistics.median(r["auto"]["predicted_s"] for r in autos)
-                     if compute is not None else None)
+        tried = [r["auto"] for r in autos if "trial_step_s" in r["auto"]]
+        if tried:  # compression.trial: the taken candidate's trial is the prediction
+            predicted = statistics.median(a["trial_step_s"] for a in tried)
+            model = statistics.median(a["trial"]["predicted_s"][a["trial"]["taken"]]
+                                      for a in tried)
+        else:
+            predicted = (compute + statistics.median(r["auto"]["predicted_s"] for r in autos)
+                         if compute is not None else None)
+            model = predicted
         dcn = [links["dcn"]["bytes_per_s"] for r in autos
                for route, links in r["auto"].get("route_links", {}).items()
                if route.startswith("per hop") and "dcn" in links]
@@ -569,6 +576,7 @@ def auto_section(net: dict) -> tuple[str, list[str]]:
                         _f(a / steps["baseline"], ".3f") if "baseline" in steps else "n/a",
                         "; ".join(choices), _f(predicted, ".3f"),
                         _f(predicted / a, ".2f") if predicted else "n/a",
+                        _f(model / a, ".2f") if model else "n/a",
                         _f(link and link / 1e6, ".2f"),
                         _f(link * 8 / bits, ".2f") if link and bits else "n/a"])
         if fastest:
@@ -591,13 +599,19 @@ def auto_section(net: dict) -> tuple[str, list[str]]:
            f"{net.get('warm_steps', 2)}, then over {'-'.join(map(str, runs))} runs per row, "
            f"repeat-major. Commit {commit[:7]}. auto: compression.auto=on with the probe at "
            "start (links of the mesh as given and of its per-hop split, codecs on every "
-           "device at once), then the route and codecs of least predicted communication. "
+           "device at once), then the route and codecs of least predicted communication, or "
+           "with compression.trial the fastest of the uncompressed step and the candidates "
+           "predicted close to the best, each timed for a few steps at start. "
            f"Predicted: compute ({compute_from or 'not measured'}"
            f"{'' if compute is None else f': {compute:.3f} s'}"
-           ") plus the chosen communication as the probe at that rate predicts it. Probed "
+           ") plus the chosen communication as the probe at that rate predicts it; with "
+           "compression.trial (its runs' decisions have a trial), the taken candidate's time "
+           "in the trial at start, and model: compute from the uncompressed trial plus the "
+           "predicted communication. Probed "
            f"link: the per-hop probe's 'dcn' bandwidth per device x {per_process} devices "
            "crossing at once, against tc's rate.", "",
            _table(["link"] + [f"{p} s" for p in AUTO_RIVALS]
                   + ["auto s", "x fastest", "x baseline", "auto's choice", "predicted s",
-                     "predicted/measured", "probed link MB/s", "x tc rate"], table)]
+                     "predicted/measured", "model/measured", "probed link MB/s", "x tc rate"],
+                  table)]
     return "\n".join(out), claims

@@ -26,6 +26,16 @@ communication is taken (`pick_route`); the uncompressed reference stays the
 mesh as given. compression.compute_s (seconds of a step's computation; 0:
 unknown) turns the predicted communication into a predicted step time.
 
+With compression.trial=N (N > 0) the model prunes and a short trial decides
+(`weigh_by_trial`, jcomp.train.trial): the uncompressed step is timed first
+(N steps after one of warmup), which calibrates compute (its time less its
+predicted communication); each candidate route whose predicted step is within
+TRIAL_MARGIN of the best is then timed too, and the fastest measured is taken.
+The decision's predicted step is that trial's time. It is for what the model
+cannot see: on two processes sharing CPU cores, the links' and codecs' work
+contends with compute, and the model's error (up to ~27% on the two-hop rig)
+exceeds the differences between the close candidates.
+
 Entries the user sets are refused, not kept: compression.policy other than
 "baseline", any compression.AXIS.KIND or compression.dcn.KIND, and a schedule
 naming a codec (a bare "@STEP" start is kept, as are warmup_steps, layers,
@@ -48,8 +58,9 @@ import jax
 import ml_collections
 
 from jcomp import tune
+from jcomp.gpt import mesh as mesh_lib
 from jcomp.gpt import policy as policy_lib
-from jcomp.train import faults, stepbytes
+from jcomp.train import faults, stepbytes, trial
 
 UsageError = faults.UsageError
 MODES = ("off", "on", "reprobe")
@@ -57,7 +68,8 @@ MODES = ("off", "on", "reprobe")
 
 def settings(cfg) -> dict | None:
     """The compression.auto fields checked -> {"mode", "profile" (a Profile, or
-    None: probe), "profile_path", "budget", "overlap"}; None with auto off."""
+    None: probe), "profile_path", "budget", "overlap", "compute_s", "trial"}; None
+    with auto off."""
     comp = cfg.compression
     mode = comp.get("auto", "off")
     if mode not in MODES:
@@ -68,9 +80,13 @@ def settings(cfg) -> dict | None:
     budget = parse_budget(comp.get("budget", ""))
     overlap = check_overlap(comp.get("overlap", 0.0))
     compute_s = check_compute(comp.get("compute_s", 0.0))
+    trial = check_trial(comp.get("trial", 0))
+    if trial and compute_s:
+        raise UsageError(f"compression.compute_s={compute_s!r} with compression.trial={trial}: "
+                         "the trial measures the step's compute; set compute_s=0 or trial=0")
     path = comp.get("profile", "")
     return {"mode": mode, "profile_path": path, "profile": load_profile(path) if path else None,
-            "budget": budget, "overlap": overlap, "compute_s": compute_s}
+            "budget": budget, "overlap": overlap, "compute_s": compute_s, "trial": trial}
 
 
 def _refuse_explicit(comp):
@@ -126,6 +142,13 @@ def check_compute(value) -> float:
                          "a step's computation, e.g. an uncompressed step's on a fast link; 0: "
                          "not known, communication alone is predicted)")
     return float(value)
+
+
+def check_trial(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UsageError(f"compression.trial={value!r}; allowed: an int >= 0 (steps timed per "
+                         "candidate before training; 0: the model alone decides)")
+    return value
 
 
 def load_profile(path, field: str = "compression.profile") -> tune.Profile:
@@ -237,22 +260,31 @@ def saved(workdir) -> tuple[int, dict] | None:
     return None
 
 
-def decide(cfg, s: dict, run, mesh, workdir):
+def decide(cfg, s: dict, run, mesh, workdir, rows=None):
     """-> (the RunSpec of `cfg` with the decision's policy, the decision's summary).
     `run` is the uncompressed RunSpec of `cfg`, `mesh` the run's mesh (probed when
-    compression.profile is '')."""
+    compression.profile is ''), `rows` this process's first batch rows (for
+    compression.trial)."""
     from jcomp.train.runspec import validate
     kept = saved(workdir) if s["mode"] == "on" else None
     if kept is not None:
         step, summary = kept
         summary = {**summary, "source": f"kept from the checkpoint of step {step}"}
     else:
-        profile, source = s["profile"], f"profile {s['profile_path']}"
-        if profile is None:
-            summary = _probe_and_choose(cfg, s, run, mesh)
+        flat, split, k = _candidates(cfg, s, run, mesh)
+        if s["trial"]:
+            if rows is None:
+                raise ValueError("compression.trial needs the run's first rows (rows=)")
+            n = len(mesh.devices.flat)
+
+            def time_of(d):
+                cand = validate(with_policy(cfg, d), n)
+                on = mesh_lib.make_mesh(cand.mesh_shape, dcn_data=cand.mesh_split())
+                return trial.step_seconds(cand, on, rows, s["trial"])
+            summary = weigh_by_trial(flat, split, k, time_of, s["trial"])
         else:
-            summary = choose(run, profile, s["budget"], s["overlap"], source)
-        summary = with_compute(summary, s["compute_s"])
+            summary = pick_route(flat, split, k) if split is not None else flat
+            summary = with_compute(summary, s["compute_s"])
     chosen = validate(with_policy(cfg, summary), len(mesh.devices.flat))
     if s["mode"] == "reprobe":
         _check_reprobe(workdir, summary)
@@ -266,24 +298,31 @@ def _probe(mesh, codecs=tune.DEFAULT_CODECS) -> tune.Profile:
         raise UsageError(f"compression.profile='' (probe at start): {e}") from None
 
 
-def _probe_and_choose(cfg, s: dict, run, mesh) -> dict:
-    """Probes the mesh as given and chooses; where `split_for` offers a per-hop
-    route, probes that mesh's links too, chooses for it, and keeps the route of
-    least predicted communication. The uncompressed reference stays the mesh
-    as given."""
-    from jcomp.gpt import mesh as mesh_lib
+def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict | None, int | None]:
+    """(the decision for the mesh as given, the decision for its per-hop split or
+    None, that split's mesh.dcn_data). The split is weighed only with the probe
+    (a written profile has no figures for a mesh it was not written for) and
+    where `split_for` offers one: its links are probed on the split mesh."""
     from jcomp.train.runspec import validate
+    if s["profile"] is not None:
+        return choose(run, s["profile"], s["budget"], s["overlap"],
+                      f"profile {s['profile_path']}"), None, None
     profile = _probe(mesh)
     flat = choose(run, profile, s["budget"], s["overlap"], "probed at start")
     k = split_for(run, jax.process_count())
     if k is None:
-        return flat
+        return flat, None, None
     split_run = validate(uncompressed(with_split(cfg, k)), len(mesh.devices.flat))
     links = _probe(mesh_lib.make_mesh(split_run.mesh_shape, dcn_data=k), codecs=()).links
     split_profile = tune.Profile(links=links, codecs=profile.codecs,
                                  device=f"{profile.device}; per hop: mesh.dcn_data={k}")
     split = choose(split_run, split_profile, s["budget"], s["overlap"], "probed at start")
-    return pick_route(flat, split, k)
+    return flat, split, k
+
+
+def _routes(flat: dict, split: dict, k: int) -> dict:
+    return {name: {"seconds": d["seconds"], "links": d["profile"]["links"]}
+            for name, d in (("as given", flat), (f"per hop (mesh.dcn_data={k})", split))}
 
 
 def pick_route(flat: dict, split: dict, k: int) -> dict:
@@ -291,10 +330,57 @@ def pick_route(flat: dict, split: dict, k: int) -> dict:
     slow-hop groups, the one of less predicted communication (a tie keeps the
     mesh as given), with both routes' seconds and links; its uncompressed
     reference is the mesh as given's."""
-    routes = {name: {"seconds": d["seconds"], "links": d["profile"]["links"]}
-              for name, d in (("as given", flat), (f"per hop (mesh.dcn_data={k})", split))}
     best = {**split, "dcn_data": k} if split["seconds"] < flat["seconds"] else flat
-    return {**best, "raw_seconds": flat["raw_seconds"], "routes": routes}
+    return {**best, "raw_seconds": flat["raw_seconds"], "routes": _routes(flat, split, k)}
+
+
+RAW = "uncompressed"
+TRIAL_MARGIN = 0.5  # time a candidate predicted within 50% of the best: the model's error
+                    # reached 27% on the two-hop rig, so a tighter cut could drop the winner
+
+
+def as_raw(d: dict) -> dict:
+    """The decision `d` with every entry sending raw: the uncompressed run."""
+    entries = {e: {**v, "codec": "none", "coded_bytes": v["raw_bytes"],
+                   "seconds": v["raw_seconds"]} for e, v in d["entries"].items()}
+    return {**d, "entries": entries, "seconds": d["raw_seconds"]}
+
+
+def _is_raw(d: dict) -> bool:
+    return set(overrides(d).values()) <= {"none"} and d.get("dcn_data", 1) == 1
+
+
+def weigh_by_trial(flat: dict, split: dict | None, k: int | None, time_of, steps: int,
+                   margin: float = TRIAL_MARGIN) -> dict:
+    """The decision a trial takes among the uncompressed run, `flat` (the mesh as
+    given) and `split` (its per-hop route, k groups; None: none). time_of(d) ->
+    measured seconds per step of decision d. The uncompressed step is timed
+    first: compute = its time less its predicted communication. A candidate is
+    timed where compute + its predicted communication is within `margin` of the
+    best such prediction; one sending raw on the mesh as given is the
+    uncompressed run, not timed twice. The fastest measured is taken (a tie
+    keeps the uncompressed run, then the mesh as given)."""
+    cands = {"as given": flat}
+    if split is not None:
+        cands[f"per hop (mesh.dcn_data={k})"] = {**split, "dcn_data": k}
+    raw = as_raw(flat)
+    measured = {RAW: time_of(raw)}
+    compute = max(measured[RAW] - flat["raw_seconds"], 0.0)
+    predicted = {RAW: compute + flat["raw_seconds"],
+                 **{name: compute + d["seconds"] for name, d in cands.items()}}
+    best = min(predicted.values())
+    for name, d in cands.items():
+        if not _is_raw(d) and predicted[name] <= best * (1 + margin):
+            measured[name] = time_of(d)
+    taken = min(measured, key=measured.get)
+    out = dict(raw if taken == RAW else cands[taken])
+    out.pop("routes", None)
+    if split is not None:
+        out["routes"] = _routes(flat, split, k)
+    return {**out, "raw_seconds": flat["raw_seconds"], "compute_s": compute,
+            "step_s": measured[taken], "raw_step_s": measured[RAW],
+            "trial": {"steps": steps, "margin": margin, "compute_s": compute,
+                      "predicted_s": predicted, "measured_s": measured, "taken": taken}}
 
 
 def _check_reprobe(workdir, summary):
@@ -341,7 +427,15 @@ def table(summary: dict) -> str:
     lines.append(f"  predicted communication per step: {now * 1e3:.4g} ms vs {raw * 1e3:.4g} ms "
                  f"uncompressed ({now / raw if raw else 1.0:.2f}x; overlap "
                  f"{summary['overlap']:g}; {summary['device']})")
-    if summary.get("step_s") is not None:
+    t = summary.get("trial")
+    if t:
+        timed = ", ".join(f"{name} {sec:.4g} s" for name, sec in t["measured_s"].items())
+        lines.append(f"  trial ({t['steps']} steps each, median): {timed}; taken: {t['taken']}")
+        lines.append(f"  predicted step: {summary['step_s']:.4g} s (its trial) vs "
+                     f"{summary['raw_step_s']:.4g} s uncompressed (model: "
+                     f"{t['predicted_s'][t['taken']]:.4g} s with compute "
+                     f"{t['compute_s']:.4g} s from the uncompressed trial)")
+    elif summary.get("step_s") is not None:
         lines.append(f"  predicted step: {summary['step_s']:.4g} s vs {summary['raw_step_s']:.4g} s "
                      f"uncompressed (compute {summary['compute_s']:.4g} s, "
                      "compression.compute_s)")

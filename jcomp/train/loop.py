@@ -108,13 +108,14 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     run = validate(auto_lib.uncompressed(cfg) if auto else cfg, len(jax.devices()))
     faults.check_workdir(workdir)
     mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
+    _, train_ds, val = load_data(run)  # the data is the same whatever auto chooses
     decision = None  # compression.auto's summary: printed, logged and checkpointed
     if auto:
-        run, decision = auto_lib.decide(cfg, auto, run, mesh, workdir)
+        rows = train_ds.local_batch(0, jax.process_index(), jax.process_count())
+        run, decision = auto_lib.decide(cfg, auto, run, mesh, workdir, rows=rows)
         if run.mesh_split() != mesh.shape.get(mesh_lib.DCN, 1):  # auto took the per-hop route
             mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
     tx = run.optim.tx(run.train.steps)
-    _, train_ds, val = load_data(run)
     make_params = resume.init_params(run)
     shapes = jax.eval_shape(make_params)
 

@@ -166,7 +166,8 @@ def test_a_row_of_compression_auto_keeps_its_decision_and_its_steps():
                            "predicted_s": 0.2, "predicted_raw_s": 0.5}
     assert "route taken: per hop, mesh.dcn_data=2" in table and "int4:rot" in table
     assert net._flags("auto", {}) == ["--config.compression.policy=baseline",
-                                      "--config.compression.auto=on"]
+                                      "--config.compression.auto=on",
+                                      "--config.compression.trial=3"]
 
 
 @pytest.mark.e2e
@@ -414,6 +415,17 @@ def test_the_auto_section_checks_auto_against_the_fastest_and_its_prediction():
     assert "the baseline in one process, median of 3 runs at fed4321: 0.270 s" in text
     assert "predicted 0.280 s, 0.97x measured: PASS" in claims[0]
     assert "commit abc1234" in text.lower()
+    # With compression.trial the taken candidate's trial time is the prediction, and
+    # the model's (compute from the uncompressed trial) stands beside it.
+    for r in rows:
+        if r["settings"]["policy"] == "auto" and r["settings"]["rate"] == "10mbit":
+            r["auto"].update(trial_step_s=0.88, trial={"taken": "per hop (mesh.dcn_data=2)",
+                                                       "predicted_s": {
+                                                           "per hop (mesh.dcn_data=2)": 0.45}})
+    text, claims = rep.auto_section({"rows": rows + alone, "warm_steps": 2})
+    assert "predicted 0.880 s, 0.98x measured: PASS" in claims[1]
+    line = next(l for l in text.splitlines() if l.startswith("| 10mbit"))
+    assert "| 0.880 | 0.98 | 0.50 |" in line  # predicted, its ratio, the model's ratio
 
 
 def test_the_hops_section_compares_per_hop_with_flat_hybrid_side_by_side():

@@ -104,6 +104,76 @@ def test_the_per_hop_route_is_taken_only_where_it_predicts_less():
     assert runspec.validate(auto.with_policy(cfg, same), 8).mesh_split() == 1
 
 
+def _routes_on_a_slow_link():
+    cfg, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
+    split_run = runspec.validate(auto.uncompressed(auto.with_split(cfg, 2)), 8)
+    slow_data = tune.Profile(links={**FAST.links, "data": tune.Link(1e-5, 1e8)},
+                             codecs=FAST.codecs, device="flat")
+    slow_dcn = tune.Profile(links={**FAST.links, "dcn": tune.Link(1e-5, 1e8)},
+                            codecs=FAST.codecs, device="split")
+    return (cfg, auto.choose(run, slow_data, None, 0.0, "test"),
+            auto.choose(split_run, slow_dcn, None, 0.0, "test"))
+
+
+def _timer(seconds_by_route):
+    """time_of for weigh_by_trial from made-up seconds, keyed by the route a
+    decision takes: what it was asked to time, in order."""
+    asked = []
+
+    def time_of(d):
+        name = ("uncompressed" if set(auto.overrides(d).values()) == {"none"} else
+                "per hop" if d.get("dcn_data", 1) > 1 else "as given")
+        asked.append(name)
+        return seconds_by_route[name]
+    return time_of, asked
+
+
+def test_a_trial_takes_the_fastest_measured_route_not_the_models_pick():
+    cfg, flat, split = _routes_on_a_slow_link()
+    assert auto.pick_route(flat, split, 2)["dcn_data"] == 2  # the model's pick
+    # Measured, the mesh as given steps faster than per hop (as on the rig at 1 Gbit/s).
+    time_of, asked = _timer({"uncompressed": 1.0, "as given": 0.30, "per hop": 0.36})
+    taken = auto.weigh_by_trial(flat, split, 2, time_of, 3, margin=100.0)
+    assert asked == ["uncompressed", "as given", "per hop"]  # the uncompressed step first
+    assert taken["trial"]["taken"] == "as given" and taken.get("dcn_data", 1) == 1
+    assert auto.overrides(taken) == auto.overrides(flat)
+    assert taken["step_s"] == 0.30 and taken["raw_step_s"] == 1.0
+    assert taken["trial"]["compute_s"] == pytest.approx(1.0 - flat["raw_seconds"])
+    assert set(taken["routes"]) == {"as given", "per hop (mesh.dcn_data=2)"}
+    assert runspec.validate(auto.with_policy(cfg, taken), 8).mesh_split() == 1
+    text = auto.table(taken)
+    assert "trial (3 steps each, median): uncompressed 1 s, as given 0.3 s" in text
+    assert "taken: as given" in text and "predicted step: 0.3 s (its trial)" in text
+
+    # Uncompressed measured fastest: every entry sends raw on the mesh as given.
+    time_of, _ = _timer({"uncompressed": 0.2, "as given": 0.30, "per hop": 0.36})
+    raw = auto.weigh_by_trial(flat, split, 2, time_of, 3, margin=100.0)
+    assert raw["trial"]["taken"] == "uncompressed" and _is_all_none(raw)
+    assert raw["seconds"] == raw["raw_seconds"] == flat["raw_seconds"]
+    assert runspec.validate(auto.with_policy(cfg, raw), 8).mesh_split() == 1
+
+
+def _is_all_none(d):
+    return set(auto.overrides(d).values()) == {"none"} and d.get("dcn_data", 1) == 1
+
+
+def test_a_trial_times_only_candidates_the_model_puts_within_its_margin():
+    cfg, flat, split = _routes_on_a_slow_link()
+    assert flat["seconds"] > 1.25 * split["seconds"]  # per hop sends less across
+    # Compute 0: the uncompressed trial equals its predicted communication.
+    time_of, asked = _timer({"uncompressed": flat["raw_seconds"], "as given": 0.0,
+                             "per hop": 0.0})
+    auto.weigh_by_trial(flat, split, 2, time_of, 3, margin=0.25)
+    assert asked == ["uncompressed", "per hop"]  # as given predicts > 1.25x per hop's
+    # A fast link: the mesh as given sends raw, which is the uncompressed run, timed once.
+    _, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
+    fast = auto.choose(run, FAST, None, 0.0, "test")
+    time_of, asked = _timer({"uncompressed": 0.5})
+    taken = auto.weigh_by_trial(fast, None, None, time_of, 3)
+    assert asked == ["uncompressed"] and taken["trial"]["taken"] == "uncompressed"
+    assert "routes" not in taken
+
+
 def test_no_route_is_weighed_where_there_is_no_split_to_make():
     _, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
     assert auto.split_for(run, processes=1) is None  # nothing slow between processes
@@ -126,6 +196,8 @@ def test_compute_seconds_turn_communication_into_a_predicted_step():
 @pytest.mark.parametrize("field,value,named", [
     ("compression.compute_s", -1.0, "compression.compute_s=-1.0"),
     ("compression.compute_s", float("inf"), "compression.compute_s=inf"),
+    ("compression.trial", -1, "compression.trial=-1"),
+    ("compression.trial", True, "compression.trial=True"),
     ("compression.auto", "maybe", "compression.auto='maybe'"),
     ("compression.budget", "grad=int2", "compression.budget='grad=int2'"),
     ("compression.budget", "grad", "compression.budget='grad'"),
@@ -141,6 +213,13 @@ def test_bad_settings_name_their_field(field, value, named):
     with pytest.raises(runspec.UsageError) as e:
         auto.settings(tiny_config(**{"compression.auto": "on", field: value}))
     assert str(e.value).startswith(named)
+
+
+def test_a_trial_and_a_given_compute_time_are_refused_together():
+    with pytest.raises(runspec.UsageError, match=r"^compression.compute_s=0.3 with "
+                       r"compression.trial=3: the trial measures"):
+        auto.settings(tiny_config(**{"compression.auto": "on", "compression.trial": 3,
+                                     "compression.compute_s": 0.3}))
 
 
 def test_auto_off_is_none_and_a_bare_schedule_start_is_kept():
@@ -320,6 +399,28 @@ def test_a_slow_profile_trains_with_the_codecs_it_chose(auto_runs):
     assert "data.grad_reduce=int4:rot" in first["compression"]
     assert "tensor.block_exit=int8" in first["compression"]
     assert first["compressed"] is True
+
+
+@pytest.mark.e2e
+def test_a_trial_times_the_candidates_and_trains_with_the_fastest(tmp_path):
+    """The slow profile's codecs against the uncompressed step, each timed for a
+    step on this machine: whichever was faster is what the run trains with."""
+    prof = write(tmp_path / "slow.json", SLOW)
+    workdir = str(tmp_path / "w")
+    r = _train(workdir, f"--config.compression.profile={prof}", "--config.compression.trial=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    [decision] = _auto_records(workdir)
+    t = decision["trial"]
+    assert set(t["measured_s"]) == {"uncompressed", "as given"} and t["steps"] == 1
+    assert t["taken"] == min(t["measured_s"], key=t["measured_s"].get)
+    assert decision["step_s"] == t["measured_s"][t["taken"]]
+    first = next(x for x in _records(workdir) if x.get("step") == 1)
+    if t["taken"] == "uncompressed":
+        assert set(auto.overrides(decision).values()) == {"none"}
+        assert first["compression"] == "none"
+    else:
+        assert "data.grad_reduce=int4:rot" in first["compression"]
+    assert f"taken: {t['taken']}" in r.stdout and "(its trial)" in r.stdout
 
 
 @pytest.mark.e2e
