@@ -54,7 +54,8 @@ def get_config():
         # "reprobe": decide afresh on a resume instead of keeping the checkpoint's.
         auto="off",
         profile="",             # with auto: a profile JSON (jcomp.tune); "" probes the mesh at start
-        budget="",              # with auto: the most compressed codec per kind, "grad=int8,act=none"
+        budget="",              # with auto: the most compressed codec per kind, "grad=int8,act=none";
+                                # "outer=10" also lets it choose an outer loop syncing every 10 steps
         overlap=0.0,            # with auto: the share of link time hidden behind compute, [0, 1]
         compute_s=0.0,          # with auto: a step's compute seconds, to predict step time (0: unknown)
         trial=0))               # with auto: time this many steps of each close candidate and

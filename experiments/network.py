@@ -141,6 +141,9 @@ POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those 
     # 3 steps each before training (compression.trial).
     "auto": {"policy": "baseline", "auto": "on", "trial": "3"},
     "auto_perhop": {"policy": "baseline", "mesh.dcn_data": "2", "auto": "on", "trial": "3"},
+    # The same allowed an outer loop syncing every 10 steps (compression.budget
+    # outer=10: the loss of diloco's setting accepted), weighed beside the routes.
+    "auto_outer": {"policy": "baseline", "auto": "on", "trial": "3", "budget": "outer=10"},
 }
 
 
@@ -308,7 +311,7 @@ def _auto_figures(decision: dict) -> dict:
     return dict(codecs={e: v["codec"] for e, v in decision["entries"].items()},
                 links={e: [v["latency_s"], v["bytes_per_s"]]
                        for e, v in decision["entries"].items()},
-                dcn_data=decision.get("dcn_data", 1),
+                dcn_data=decision.get("dcn_data", 1), outer=decision.get("outer"),
                 routes={k: v["seconds"] for k, v in decision.get("routes", {}).items()},
                 route_links={k: v["links"] for k, v in decision.get("routes", {}).items()},
                 codec_s_per_byte={c: v["encode_s_per_byte"] + v["decode_s_per_byte"]

@@ -504,7 +504,8 @@ AUTO_WITHIN_FASTEST, AUTO_OVER_BASELINE, AUTO_PREDICTION = 0.05, 0.03, 0.15
 def _choice(auto: dict) -> str:
     """compression.auto's choice in a few words: its route and the coded entries."""
     coded = [f"{e}={c}" for e, c in auto["codecs"].items() if c != "none"]
-    route = f"per hop (dcn_data={auto['dcn_data']})" if auto.get("dcn_data", 1) > 1 else "flat"
+    route = (f"outer loop (every {auto['outer']['every']})" if auto.get("outer") else
+             f"per hop (dcn_data={auto['dcn_data']})" if auto.get("dcn_data", 1) > 1 else "flat")
     return f"{route}: {', '.join(coded) or 'all raw'}"
 
 

@@ -118,13 +118,24 @@ def parse_budget(text) -> dict | None:
         kind, eq, codec = (s.strip() for s in item.partition("="))
         if not eq or not kind or not codec or kind in budget:
             raise UsageError(f"{field}: want KIND=CODEC,... with each kind once (kinds: "
-                             f"{', '.join(tune.DEFAULT_LADDERS)}); got {item.strip()!r}")
+                             f"{', '.join(tune.DEFAULT_LADDERS)}; and outer=H); got "
+                             f"{item.strip()!r}")
         budget[kind] = codec
+    every = budget.pop(OUTER, None)
+    if every is not None and not (every.isdigit() and int(every) >= 2):
+        raise UsageError(f"{field}: outer={every!r}; allowed: outer=H, an int >= 2 (an outer "
+                         "loop syncing every H steps may be chosen)")
     try:
         tune.ladders(budget=budget)
     except (TypeError, ValueError) as e:
         raise UsageError(f"{field}: {e}") from None
-    return budget
+    return {**budget, **({OUTER: int(every)} if every else {})}
+
+
+def codec_budget(budget) -> dict | None:
+    """The budget's codec kinds alone (what tune.choose takes)."""
+    out = {k: v for k, v in (budget or {}).items() if k != OUTER}
+    return out or None
 
 
 def check_overlap(value) -> float:
@@ -168,7 +179,7 @@ def choose(run, profile: tune.Profile, budget, overlap: float, source: str) -> d
     seconds vs raw; the totals; and the profile itself."""
     msgs = stepbytes.by_entry(run)
     try:
-        d = tune.choose(profile, msgs, budget=budget, overlap=overlap)
+        d = tune.choose(profile, msgs, budget=codec_budget(budget), overlap=overlap)
     except (TypeError, ValueError) as e:
         raise UsageError(f"compression.profile ({source}): {str(e).splitlines()[0]}") from None
     return summarize(d, profile, budget, source)
@@ -228,13 +239,30 @@ def uncompressed(cfg):
 
 
 def with_policy(cfg, summary: dict):
-    """A copy of `cfg` with the decision's codecs set as its compression entries."""
+    """A copy of `cfg` with the decision's codecs set as its compression entries
+    (and its outer loop, where it chose one)."""
     out = ml_collections.ConfigDict(cfg.to_dict())
     for entry, codec in overrides(summary).items():
+        if entry == OUTER_ENTRY:
+            continue
         axis, _, kind = entry.partition(".")
         out.compression[axis][kind] = codec
     if summary.get("dcn_data", 1) > 1:
         out.mesh.dcn_data = summary["dcn_data"]
+    if summary.get("outer"):
+        out = with_outer(out, summary["dcn_data"], summary["outer"]["every"])
+    return out
+
+
+def with_outer(cfg, k: int, every: int):
+    """A copy of `cfg` training under the outer loop auto weighs: one island per
+    slow-hop group (mesh.dcn_data=k), a sync every `every` steps, OUTER_CODEC
+    pseudo-gradients, the islands' mean taken (outer lr 1, no momentum)."""
+    out = ml_collections.ConfigDict(cfg.to_dict())
+    out.mesh.dcn_data = k
+    o = out.outer
+    o.every, o.codec, o.error_feedback, o.lr, o.momentum = every, OUTER_CODEC, "off", 1.0, 0.0
+    o.fragments, o.delay = 1, 0
     return out
 
 
@@ -271,19 +299,22 @@ def decide(cfg, s: dict, run, mesh, workdir, rows=None):
         step, summary = kept
         summary = {**summary, "source": f"kept from the checkpoint of step {step}"}
     else:
-        flat, split, k = _candidates(cfg, s, run, mesh)
+        flat, others, _ = _candidates(cfg, s, run, mesh)
         if s["trial"]:
             if rows is None:
                 raise ValueError("compression.trial needs the run's first rows (rows=)")
             n = len(mesh.devices.flat)
 
             def time_of(d):
+                # An outer loop's trial times its inner steps; its syncs are
+                # priced per step by the model (the entry OUTER_ENTRY).
                 cand = validate(with_policy(cfg, d), n)
                 on = mesh_lib.make_mesh(cand.mesh_shape, dcn_data=cand.mesh_split())
-                return trial.step_seconds(cand, on, rows, s["trial"])
-            summary = weigh_by_trial(flat, split, k, time_of, s["trial"])
+                sync = d["entries"][OUTER_ENTRY]["seconds"] if d.get("outer") else 0.0
+                return trial.step_seconds(cand, on, rows, s["trial"]) + sync
+            summary = weigh_by_trial(flat, others, time_of, s["trial"])
         else:
-            summary = pick_route(flat, split, k) if split is not None else flat
+            summary = pick_route(flat, others, s["compute_s"]) if others else flat
             summary = with_compute(summary, s["compute_s"])
     chosen = validate(with_policy(cfg, summary), len(mesh.devices.flat))
     if s["mode"] == "reprobe":
@@ -298,43 +329,111 @@ def _probe(mesh, codecs=tune.DEFAULT_CODECS) -> tune.Profile:
         raise UsageError(f"compression.profile='' (probe at start): {e}") from None
 
 
-def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict | None, int | None]:
-    """(the decision for the mesh as given, the decision for its per-hop split or
-    None, that split's mesh.dcn_data). The split is weighed only with the probe
-    (a written profile has no figures for a mesh it was not written for) and
-    where `split_for` offers one: its links are probed on the split mesh."""
+def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict, int | None]:
+    """(the decision for the mesh as given, {name: decision} of the other routes,
+    their mesh.dcn_data). The other routes are weighed only with the probe (a
+    written profile has no figures for a mesh it was not written for) and where
+    `split_for` offers a split, whose links are probed on the split mesh: the
+    per hop route, and an outer loop across the split where the budget allows
+    one (`outer_candidate`)."""
     from jcomp.train.runspec import validate
     if s["profile"] is not None:
         return choose(run, s["profile"], s["budget"], s["overlap"],
-                      f"profile {s['profile_path']}"), None, None
+                      f"profile {s['profile_path']}"), {}, None
     profile = _probe(mesh)
     flat = choose(run, profile, s["budget"], s["overlap"], "probed at start")
     k = split_for(run, jax.process_count())
     if k is None:
-        return flat, None, None
-    split_run = validate(uncompressed(with_split(cfg, k)), len(mesh.devices.flat))
+        return flat, {}, None
+    n = len(mesh.devices.flat)
+    split_run = validate(uncompressed(with_split(cfg, k)), n)
     links = _probe(mesh_lib.make_mesh(split_run.mesh_shape, dcn_data=k), codecs=()).links
     split_profile = tune.Profile(links=links, codecs=profile.codecs,
                                  device=f"{profile.device}; per hop: mesh.dcn_data={k}")
-    split = choose(split_run, split_profile, s["budget"], s["overlap"], "probed at start")
-    return flat, split, k
+    others = {per_hop(k): {**choose(split_run, split_profile, s["budget"], s["overlap"],
+                                    "probed at start"), "dcn_data": k}}
+    outer = outer_candidate(cfg, s["budget"], s["overlap"], k, split_profile, n)
+    if outer is not None:
+        others[outer_name(outer)] = outer
+    return flat, others, k
 
 
-def _routes(flat: dict, split: dict, k: int) -> dict:
+def per_hop(k: int) -> str:
+    return f"per hop (mesh.dcn_data={k})"
+
+
+def outer_name(d: dict) -> str:
+    return f"outer loop (every {d['outer']['every']}, mesh.dcn_data={d['dcn_data']})"
+
+
+def outer_candidate(cfg, budget, overlap: float, k: int, split_profile: tune.Profile,
+                    n_devices: int) -> dict | None:
+    """The decision for training under an outer loop across the k slow-hop groups
+    (`with_outer`), where the budget allows one (outer=H): codecs for the inner
+    step's messages, which stay inside an island, and the sync's OUTER_CODEC
+    bytes across the slow hop averaged over its H steps (stepbytes.outer_sync)
+    as the entry OUTER_ENTRY. None where the budget does not allow it or the
+    run cannot take it (e.g. train.steps < H)."""
+    from jcomp.train.runspec import validate
+    every = (budget or {}).get(OUTER)
+    if not every:
+        return None
+    try:
+        orun = validate(uncompressed(with_outer(cfg, k, every)), n_devices)
+    except UsageError:
+        return None
+    d = choose(orun, split_profile, budget, overlap, "probed at start")
+    sync = stepbytes.outer_sync(orun)
+    link = split_profile.link(mesh_lib.DCN)
+    seconds = tune.predict(split_profile, mesh_lib.DCN, sync, OUTER_CODEC, overlap)
+    entry = {"codec": OUTER_CODEC, "latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s,
+             "raw_bytes": sync.raw_bytes, "coded_bytes": sync.coded_bytes(OUTER_CODEC),
+             "collectives": sync.collectives, "seconds": seconds,
+             "raw_seconds": tune.predict(split_profile, mesh_lib.DCN, sync, "none", overlap)}
+    return {**d, "entries": {**d["entries"], OUTER_ENTRY: entry},
+            "seconds": d["seconds"] + seconds, "dcn_data": k,
+            "outer": {"every": every, "codec": OUTER_CODEC}}
+
+
+def _routes(flat: dict, others: dict) -> dict:
     return {name: {"seconds": d["seconds"], "links": d["profile"]["links"]}
-            for name, d in (("as given", flat), (f"per hop (mesh.dcn_data={k})", split))}
+            for name, d in {"as given": flat, **others}.items()}
 
 
-def pick_route(flat: dict, split: dict, k: int) -> dict:
-    """Of two decisions, for the mesh as given and for its per-hop split into k
-    slow-hop groups, the one of less predicted communication (a tie keeps the
-    mesh as given), with both routes' seconds and links; its uncompressed
-    reference is the mesh as given's."""
-    best = {**split, "dcn_data": k} if split["seconds"] < flat["seconds"] else flat
-    return {**best, "raw_seconds": flat["raw_seconds"], "routes": _routes(flat, split, k)}
+def pick_route(flat: dict, others: dict, compute_s: float = 0.0) -> dict:
+    """Of the decision for the mesh as given and `others` ({name: decision} of
+    other routes: per hop, an outer loop), the one of least predicted
+    communication (a tie keeps the mesh as given, then the earlier named), an
+    outer loop only where it saves OUTER_GAIN of the step (compute_s plus the
+    communication; compute_s 0: not known, communication alone), with every
+    route's seconds and links; its uncompressed reference is the mesh as
+    given's."""
+    best = flat
+    for d in others.values():
+        if not d.get("outer") and d["seconds"] < best["seconds"]:
+            best = d
+    for d in others.values():
+        if d.get("outer") and _outer_pays(compute_s + d["seconds"], compute_s + best["seconds"]):
+            best = d
+    out = {k: v for k, v in best.items() if k != "routes"}
+    return {**out, "raw_seconds": flat["raw_seconds"], "routes": _routes(flat, others)}
 
 
 RAW = "uncompressed"
+OUTER = "outer"            # the budget's key allowing an outer loop: "outer=H"
+OUTER_ENTRY = "dcn.outer"  # the decision's entry for an outer loop's syncs
+# The outer loop's pseudo-gradients: int4 with a rotation, the best of the
+# settings measured every 10 steps here (experiments/RESULTS.md, outer suite:
+# outer_h10_int4rot +2.16% [-0.01%, +4.34%] over 3 seeds, 78x fewer bytes across).
+OUTER_CODEC = "int4:rot"
+# An outer loop costs loss (that budget above), so it is taken only where it
+# saves at least this share of the step: less is within the run-to-run spread
+# of step times measured here (up to 19% on the two-hop rig at fast rates).
+OUTER_GAIN = 0.2
+
+
+def _outer_pays(outer_s: float, every_step_s: float) -> bool:
+    return outer_s < (1.0 - OUTER_GAIN) * every_step_s
 TRIAL_MARGIN = 0.5  # time a candidate predicted within 50% of the best: the model's error
                     # reached 27% on the two-hop rig, so a tighter cut could drop the winner
 
@@ -350,19 +449,18 @@ def _is_raw(d: dict) -> bool:
     return set(overrides(d).values()) <= {"none"} and d.get("dcn_data", 1) == 1
 
 
-def weigh_by_trial(flat: dict, split: dict | None, k: int | None, time_of, steps: int,
+def weigh_by_trial(flat: dict, others: dict, time_of, steps: int,
                    margin: float = TRIAL_MARGIN) -> dict:
     """The decision a trial takes among the uncompressed run, `flat` (the mesh as
-    given) and `split` (its per-hop route, k groups; None: none). time_of(d) ->
+    given) and `others` ({name: decision}: per hop, an outer loop). time_of(d) ->
     measured seconds per step of decision d. The uncompressed step is timed
     first: compute = its time less its predicted communication. A candidate is
     timed where compute + its predicted communication is within `margin` of the
     best such prediction; one sending raw on the mesh as given is the
     uncompressed run, not timed twice. The fastest measured is taken (a tie
-    keeps the uncompressed run, then the mesh as given)."""
-    cands = {"as given": flat}
-    if split is not None:
-        cands[f"per hop (mesh.dcn_data={k})"] = {**split, "dcn_data": k}
+    keeps the uncompressed run, then the mesh as given), an outer loop only
+    where it saves OUTER_GAIN of the fastest every-step candidate's time."""
+    cands = {"as given": flat, **others}
     raw = as_raw(flat)
     measured = {RAW: time_of(raw)}
     compute = max(measured[RAW] - flat["raw_seconds"], 0.0)
@@ -372,11 +470,14 @@ def weigh_by_trial(flat: dict, split: dict | None, k: int | None, time_of, steps
     for name, d in cands.items():
         if not _is_raw(d) and predicted[name] <= best * (1 + margin):
             measured[name] = time_of(d)
-    taken = min(measured, key=measured.get)
-    out = dict(raw if taken == RAW else cands[taken])
-    out.pop("routes", None)
-    if split is not None:
-        out["routes"] = _routes(flat, split, k)
+    every_step = [n for n in measured if n == RAW or not cands[n].get("outer")]
+    taken = min(every_step, key=measured.get)
+    for name in measured:
+        if name not in every_step and _outer_pays(measured[name], measured[taken]):
+            taken = name
+    out = {k: v for k, v in (raw if taken == RAW else cands[taken]).items() if k != "routes"}
+    if others:
+        out["routes"] = _routes(flat, others)
     return {**out, "raw_seconds": flat["raw_seconds"], "compute_s": compute,
             "step_s": measured[taken], "raw_step_s": measured[RAW],
             "trial": {"steps": steps, "margin": margin, "compute_s": compute,
@@ -390,6 +491,9 @@ def _check_reprobe(workdir, summary):
     step, old = kept
     was, now = overrides(old), overrides(summary)
     changed = [f"{k}={now[k]} (checkpoint: {was.get(k)})" for k in now if was.get(k) != now[k]]
+    if (old.get("outer") or {}).get("every") != (summary.get("outer") or {}).get("every"):
+        changed.append(f"outer.every={(summary.get('outer') or {}).get('every', 0)} "
+                       f"(checkpoint: {(old.get('outer') or {}).get('every', 0)})")
     if old.get("dcn_data", 1) != summary.get("dcn_data", 1):
         changed.append(f"mesh.dcn_data={summary.get('dcn_data', 1)} (checkpoint: "
                        f"{old.get('dcn_data', 1)})")
@@ -422,7 +526,12 @@ def table(summary: dict) -> str:
     raw, now = summary["raw_seconds"], summary["seconds"]
     for route, r in summary.get("routes", {}).items():
         lines.append(f"  route {route}: {r['seconds'] * 1e3:.4g} ms predicted")
-    if summary.get("dcn_data", 1) > 1:
+    if summary.get("outer"):
+        lines.append(f"  route taken: an outer loop across mesh.dcn_data={summary['dcn_data']}"
+                     f" islands, syncing every {summary['outer']['every']} steps "
+                     f"({summary['outer']['codec']} pseudo-gradients; allowed by "
+                     "compression.budget's outer=H)")
+    elif summary.get("dcn_data", 1) > 1:
         lines.append(f"  route taken: per hop, mesh.dcn_data={summary['dcn_data']}")
     lines.append(f"  predicted communication per step: {now * 1e3:.4g} ms vs {raw * 1e3:.4g} ms "
                  f"uncompressed ({now / raw if raw else 1.0:.2f}x; overlap "

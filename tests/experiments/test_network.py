@@ -159,7 +159,7 @@ def test_a_row_of_compression_auto_keeps_its_decision_and_its_steps():
     table = row["auto"].pop("table")
     assert row["auto"] == {"codecs": {"data.grad": "int4:rot", "data.param": "int8"},
                            "links": {"data.grad": [1e-4, 1.2e7], "data.param": [1e-4, 1.2e7]},
-                           "dcn_data": 2, "routes": {"as given": 0.3,
+                           "dcn_data": 2, "outer": None, "routes": {"as given": 0.3,
                                                      "per hop (mesh.dcn_data=2)": 0.2},
                            "route_links": {"as given": {}, "per hop (mesh.dcn_data=2)": {}},
                            "codec_s_per_byte": {"int8": 1e-9 + 2e-9},

@@ -90,7 +90,7 @@ def test_the_per_hop_route_is_taken_only_where_it_predicts_less():
                             codecs=FAST.codecs, device="split: fast inside, slow between")
     flat = auto.choose(run, slow_data, None, 0.0, "test")
     split = auto.choose(split_run, slow_dcn, None, 0.0, "test")
-    taken = auto.pick_route(flat, split, k)
+    taken = auto.pick_route(flat, {auto.per_hop(k): {**split, "dcn_data": k}})
     assert taken["dcn_data"] == 2 and split["seconds"] < flat["seconds"]
     assert taken["raw_seconds"] == flat["raw_seconds"]  # against the mesh as given, raw
     assert set(taken["routes"]) == {"as given", "per hop (mesh.dcn_data=2)"}
@@ -99,7 +99,8 @@ def test_the_per_hop_route_is_taken_only_where_it_predicts_less():
     assert "route taken: per hop, mesh.dcn_data=2" in auto.table(taken)
     # Everything fast: both routes send raw, and a tie keeps the mesh as given.
     same = auto.pick_route(auto.choose(run, FAST, None, 0.0, "test"),
-                           auto.choose(split_run, FAST, None, 0.0, "test"), k)
+                           {auto.per_hop(k): {**auto.choose(split_run, FAST, None, 0.0, "test"),
+                                              "dcn_data": k}})
     assert "dcn_data" not in same or same["dcn_data"] == 1
     assert runspec.validate(auto.with_policy(cfg, same), 8).mesh_split() == 1
 
@@ -112,7 +113,7 @@ def _routes_on_a_slow_link():
     slow_dcn = tune.Profile(links={**FAST.links, "dcn": tune.Link(1e-5, 1e8)},
                             codecs=FAST.codecs, device="split")
     return (cfg, auto.choose(run, slow_data, None, 0.0, "test"),
-            auto.choose(split_run, slow_dcn, None, 0.0, "test"))
+            {**auto.choose(split_run, slow_dcn, None, 0.0, "test"), "dcn_data": 2})
 
 
 def _timer(seconds_by_route):
@@ -130,10 +131,10 @@ def _timer(seconds_by_route):
 
 def test_a_trial_takes_the_fastest_measured_route_not_the_models_pick():
     cfg, flat, split = _routes_on_a_slow_link()
-    assert auto.pick_route(flat, split, 2)["dcn_data"] == 2  # the model's pick
+    assert auto.pick_route(flat, {auto.per_hop(2): split})["dcn_data"] == 2  # the model's pick
     # Measured, the mesh as given steps faster than per hop (as on the rig at 1 Gbit/s).
     time_of, asked = _timer({"uncompressed": 1.0, "as given": 0.30, "per hop": 0.36})
-    taken = auto.weigh_by_trial(flat, split, 2, time_of, 3, margin=100.0)
+    taken = auto.weigh_by_trial(flat, {auto.per_hop(2): split}, time_of, 3, margin=100.0)
     assert asked == ["uncompressed", "as given", "per hop"]  # the uncompressed step first
     assert taken["trial"]["taken"] == "as given" and taken.get("dcn_data", 1) == 1
     assert auto.overrides(taken) == auto.overrides(flat)
@@ -147,7 +148,7 @@ def test_a_trial_takes_the_fastest_measured_route_not_the_models_pick():
 
     # Uncompressed measured fastest: every entry sends raw on the mesh as given.
     time_of, _ = _timer({"uncompressed": 0.2, "as given": 0.30, "per hop": 0.36})
-    raw = auto.weigh_by_trial(flat, split, 2, time_of, 3, margin=100.0)
+    raw = auto.weigh_by_trial(flat, {auto.per_hop(2): split}, time_of, 3, margin=100.0)
     assert raw["trial"]["taken"] == "uncompressed" and _is_all_none(raw)
     assert raw["seconds"] == raw["raw_seconds"] == flat["raw_seconds"]
     assert runspec.validate(auto.with_policy(cfg, raw), 8).mesh_split() == 1
@@ -163,15 +164,91 @@ def test_a_trial_times_only_candidates_the_model_puts_within_its_margin():
     # Compute 0: the uncompressed trial equals its predicted communication.
     time_of, asked = _timer({"uncompressed": flat["raw_seconds"], "as given": 0.0,
                              "per hop": 0.0})
-    auto.weigh_by_trial(flat, split, 2, time_of, 3, margin=0.25)
+    auto.weigh_by_trial(flat, {auto.per_hop(2): split}, time_of, 3, margin=0.25)
     assert asked == ["uncompressed", "per hop"]  # as given predicts > 1.25x per hop's
     # A fast link: the mesh as given sends raw, which is the uncompressed run, timed once.
     _, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
     fast = auto.choose(run, FAST, None, 0.0, "test")
     time_of, asked = _timer({"uncompressed": 0.5})
-    taken = auto.weigh_by_trial(fast, None, None, time_of, 3)
+    taken = auto.weigh_by_trial(fast, {}, time_of, 3)
     assert asked == ["uncompressed"] and taken["trial"]["taken"] == "uncompressed"
     assert "routes" not in taken
+
+
+def _outer_allowed(budget="outer=10", dcn_bytes_per_s=1e5):
+    cfg, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "train.steps": 40})
+    split_run = runspec.validate(auto.uncompressed(auto.with_split(cfg, 2)), 8)
+    slow_dcn = tune.Profile(links={**FAST.links, "dcn": tune.Link(1e-5, dcn_bytes_per_s)},
+                            codecs=FAST.codecs, device="split")
+    b = auto.parse_budget(budget)
+    split = {**auto.choose(split_run, slow_dcn, b, 0.0, "test"), "dcn_data": 2}
+    return cfg, split, auto.outer_candidate(cfg, b, 0.0, 2, slow_dcn, 8)
+
+
+def test_an_outer_loop_is_a_candidate_only_where_the_budget_allows_it():
+    _, _, none = _outer_allowed(budget="grad=int4:rot")
+    assert none is None
+    cfg, split, outer = _outer_allowed()
+    assert outer["outer"] == {"every": 10, "codec": "int4:rot"} and outer["dcn_data"] == 2
+    sync = outer["entries"]["dcn.outer"]
+    assert sync["codec"] == "int4:rot" and sync["coded_bytes"] < sync["raw_bytes"] / 6
+    # Nothing crosses the slow hop between syncs: no dcn.grad or dcn.param entry.
+    assert not {e for e in outer["entries"] if e.startswith("dcn.")} - {"dcn.outer"}
+    # On a very slow hop the outer loop predicts least and is taken; the run trains
+    # under it, the inner codecs as chosen.
+    taken = auto.pick_route(split, {auto.outer_name(outer): outer})
+    assert taken["outer"] and taken["seconds"] == outer["seconds"] < split["seconds"]
+    run = runspec.validate(auto.with_policy(cfg, taken), 8)
+    assert run.outer.every == 10 and run.outer.codec == "int4:rot" and run.mesh_split() == 2
+    assert run.outer.lr == 1.0 and run.outer.momentum == 0.0
+    assert "route taken: an outer loop across mesh.dcn_data=2 islands, syncing every 10" \
+        in auto.table(taken)
+    # On a fast hop it sends less still, but saves under OUTER_GAIN of a step with
+    # 10 ms of compute: the every-step route is kept.
+    _, split, outer = _outer_allowed(dcn_bytes_per_s=1e13)
+    assert outer["seconds"] < split["seconds"]
+    assert not auto.pick_route(split, {auto.outer_name(outer): outer}, 0.01).get("outer")
+    # A trial takes it only where it measured OUTER_GAIN faster than the best other.
+    name = auto.outer_name(outer)
+    for outer_s, taken in ((0.85, "as given"), (0.7, name)):
+        times = iter([1.0, 0.9, outer_s])  # timed in this order: raw, as given, outer
+        d = auto.weigh_by_trial(split, {name: outer}, lambda d: next(times), 3, margin=100.0)
+        assert d["trial"]["measured_s"] == {"uncompressed": 1.0, "as given": 0.9, name: outer_s}
+        assert d["trial"]["taken"] == taken and bool(d.get("outer")) == (taken == name)
+    # A run too short for one sync cannot take it.
+    cfg3, _ = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "train.steps": 5})
+    assert auto.outer_candidate(cfg3, {"outer": 10}, 0.0, 2, FAST, 8) is None
+
+
+def test_budget_outer_is_parsed_apart_from_the_codec_kinds():
+    assert auto.parse_budget("grad=int8,outer=10") == {"grad": "int8", "outer": 10}
+    assert auto.codec_budget({"grad": "int8", "outer": 10}) == {"grad": "int8"}
+    assert auto.codec_budget({"outer": 10}) is None
+    for bad in ("outer=1", "outer=x", "outer=-3"):
+        with pytest.raises(runspec.UsageError, match=rf"^compression.budget='{bad}': outer="):
+            auto.parse_budget(bad)
+
+
+@pytest.mark.slow
+def test_outer_sync_bytes_match_the_compiled_sync():
+    """stepbytes.outer_sync against the meter's reading of the compiled
+    uncompressed sync of the tiny model across 2 islands: within 2%."""
+    import jax
+
+    from jcomp.gpt import mesh as mesh_lib
+    from jcomp.train import outerdelay, resume
+    cfg, _ = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "train.steps": 40})
+    out = auto.with_outer(cfg, 2, 10)
+    out.outer.codec = "none"
+    run = runspec.validate(out, 8)
+    mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
+    tx = run.optim.tx(run.train.steps)
+    make = resume.init_params(run)
+    shapes = jax.eval_shape(make)
+    syncs = outerdelay.syncs_for(run, mesh, shapes, tx)
+    syncs.prepare(resume.init_state(run, make(), mesh, tx, shapes))
+    t = stepbytes.outer_sync(run)
+    assert t.raw_bytes * 10 == pytest.approx(syncs.bytes_per_sync[0], rel=0.02)
 
 
 def test_no_route_is_weighed_where_there_is_no_split_to_make():
@@ -421,6 +498,45 @@ def test_a_trial_times_the_candidates_and_trains_with_the_fastest(tmp_path):
     else:
         assert "data.grad_reduce=int4:rot" in first["compression"]
     assert f"taken: {t['taken']}" in r.stdout and "(its trial)" in r.stdout
+
+
+@pytest.mark.e2e
+def test_two_processes_allowed_an_outer_loop_weigh_it_and_train_with_the_route_taken(tmp_path):
+    """2 processes x 4 CPU devices, the probe at start, compression.budget
+    'outer=4': the routes weighed are the mesh as given, per hop and the outer
+    loop across the two processes, and the run trains on the route the rule
+    takes (on this loopback the link between processes is fast, so which one
+    depends on the probe: under the outer loop the run syncs every 4 steps,
+    otherwise never)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    workdir = str(tmp_path / "w")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+        "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"))
+    flags = [*TINY, "--config.train.steps=8", "--config.mesh.data=4", "--config.mesh.pipeline=1",
+             "--config.compression.budget=outer=4", "--config.checkpoint.every=8",
+             "--config.train.eval_every=8"]
+    procs = [subprocess.Popen([sys.executable, "train.py", f"--workdir={workdir}", *flags,
+                               f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                               f"--process_id={i}", "--cpu_devices=4"],
+                              cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for i in range(2)]
+    outs = [p.communicate(timeout=400) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    [decision] = _auto_records(workdir)
+    name = "outer loop (every 4, mesh.dcn_data=2)"
+    routes = {k: v["seconds"] for k, v in decision["routes"].items()}
+    assert set(routes) == {"as given", "per hop (mesh.dcn_data=2)", name}
+    every_step = min(routes["as given"], routes["per hop (mesh.dcn_data=2)"])
+    outer = routes[name] < (1 - auto.OUTER_GAIN) * every_step
+    assert bool(decision.get("outer")) == outer and decision["seconds"] == (
+        routes[name] if outer else every_step)
+    synced = [r["step"] for r in _records(workdir) if "outer_fragment" in r]
+    assert synced == ([4, 8] if outer else [])
+    assert f"route {name}: " in outs[0][0]
 
 
 @pytest.mark.e2e
