@@ -6,7 +6,7 @@ The cost model (jcomp.tune) prices links and codecs apart; what it cannot see
 is how they share the machine with compute (processes contending for the
 same cores, a collective's transfer overlapping the next layer's matmul).
 compression.auto therefore lets a short trial settle the candidates the model
-cannot tell apart (jcomp.train.auto.weigh_by_trial), as XLA's autotuner and
+cannot tell apart (jcomp.train.autopick.weigh_by_trial), as XLA's autotuner and
 cuDNN's benchmark mode time their kernel candidates instead of predicting them.
 
 Each trial starts from the run's own initial parameters on its own mesh, steps

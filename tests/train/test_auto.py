@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jcomp import tune
-from jcomp.train import auto, runspec, stepbytes
+from jcomp.train import auto, autopick, runspec, stepbytes
 from tests.train.tinyconfig import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,7 +90,7 @@ def test_the_per_hop_route_is_taken_only_where_it_predicts_less():
                             codecs=FAST.codecs, device="split: fast inside, slow between")
     flat = auto.choose(run, slow_data, None, 0.0, "test")
     split = auto.choose(split_run, slow_dcn, None, 0.0, "test")
-    taken = auto.pick_route(flat, {auto.per_hop(k): {**split, "dcn_data": k}})
+    taken = autopick.pick_route(flat, {auto.per_hop(k): {**split, "dcn_data": k}})
     assert taken["dcn_data"] == 2 and split["seconds"] < flat["seconds"]
     assert taken["raw_seconds"] == flat["raw_seconds"]  # against the mesh as given, raw
     assert set(taken["routes"]) == {"as given", "per hop (mesh.dcn_data=2)"}
@@ -98,7 +98,7 @@ def test_the_per_hop_route_is_taken_only_where_it_predicts_less():
     assert final.mesh_split() == 2 and str(final.policy["dcn", "grad"]) == "int4:rot"
     assert "route taken: per hop, mesh.dcn_data=2" in auto.table(taken)
     # Everything fast: both routes send raw, and a tie keeps the mesh as given.
-    same = auto.pick_route(auto.choose(run, FAST, None, 0.0, "test"),
+    same = autopick.pick_route(auto.choose(run, FAST, None, 0.0, "test"),
                            {auto.per_hop(k): {**auto.choose(split_run, FAST, None, 0.0, "test"),
                                               "dcn_data": k}})
     assert "dcn_data" not in same or same["dcn_data"] == 1
@@ -131,10 +131,10 @@ def _timer(seconds_by_route):
 
 def test_a_trial_takes_the_fastest_measured_route_not_the_models_pick():
     cfg, flat, split = _routes_on_a_slow_link()
-    assert auto.pick_route(flat, {auto.per_hop(2): split})["dcn_data"] == 2  # the model's pick
+    assert autopick.pick_route(flat, {auto.per_hop(2): split})["dcn_data"] == 2  # the model's pick
     # Measured, the mesh as given steps faster than per hop (as on the rig at 1 Gbit/s).
     time_of, asked = _timer({"uncompressed": 1.0, "as given": 0.30, "per hop": 0.36})
-    taken = auto.weigh_by_trial(flat, {auto.per_hop(2): split}, time_of, 3, margin=100.0)
+    taken = autopick.weigh_by_trial(flat, {auto.per_hop(2): split}, time_of, 3, margin=100.0)
     assert asked == ["uncompressed", "as given", "per hop"]  # the uncompressed step first
     assert taken["trial"]["taken"] == "as given" and taken.get("dcn_data", 1) == 1
     assert auto.overrides(taken) == auto.overrides(flat)
@@ -148,7 +148,7 @@ def test_a_trial_takes_the_fastest_measured_route_not_the_models_pick():
 
     # Uncompressed measured fastest: every entry sends raw on the mesh as given.
     time_of, _ = _timer({"uncompressed": 0.2, "as given": 0.30, "per hop": 0.36})
-    raw = auto.weigh_by_trial(flat, {auto.per_hop(2): split}, time_of, 3, margin=100.0)
+    raw = autopick.weigh_by_trial(flat, {auto.per_hop(2): split}, time_of, 3, margin=100.0)
     assert raw["trial"]["taken"] == "uncompressed" and _is_all_none(raw)
     assert raw["seconds"] == raw["raw_seconds"] == flat["raw_seconds"]
     assert runspec.validate(auto.with_policy(cfg, raw), 8).mesh_split() == 1
@@ -164,13 +164,13 @@ def test_a_trial_times_only_candidates_the_model_puts_within_its_margin():
     # Compute 0: the uncompressed trial equals its predicted communication.
     time_of, asked = _timer({"uncompressed": flat["raw_seconds"], "as given": 0.0,
                              "per hop": 0.0})
-    auto.weigh_by_trial(flat, {auto.per_hop(2): split}, time_of, 3, margin=0.25)
+    autopick.weigh_by_trial(flat, {auto.per_hop(2): split}, time_of, 3, margin=0.25)
     assert asked == ["uncompressed", "per hop"]  # as given predicts > 1.25x per hop's
     # A fast link: the mesh as given sends raw, which is the uncompressed run, timed once.
     _, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
     fast = auto.choose(run, FAST, None, 0.0, "test")
     time_of, asked = _timer({"uncompressed": 0.5})
-    taken = auto.weigh_by_trial(fast, {}, time_of, 3)
+    taken = autopick.weigh_by_trial(fast, {}, time_of, 3)
     assert asked == ["uncompressed"] and taken["trial"]["taken"] == "uncompressed"
     assert "routes" not in taken
 
@@ -196,7 +196,7 @@ def test_an_outer_loop_is_a_candidate_only_where_the_budget_allows_it():
     assert not {e for e in outer["entries"] if e.startswith("dcn.")} - {"dcn.outer"}
     # On a very slow hop the outer loop predicts least and is taken; the run trains
     # under it, the inner codecs as chosen.
-    taken = auto.pick_route(split, {auto.outer_name(outer): outer})
+    taken = autopick.pick_route(split, {auto.outer_name(outer): outer})
     assert taken["outer"] and taken["seconds"] == outer["seconds"] < split["seconds"]
     run = runspec.validate(auto.with_policy(cfg, taken), 8)
     assert run.outer.every == 10 and run.outer.codec == "int4:rot" and run.mesh_split() == 2
@@ -207,12 +207,12 @@ def test_an_outer_loop_is_a_candidate_only_where_the_budget_allows_it():
     # 10 ms of compute: the every-step route is kept.
     _, split, outer = _outer_allowed(dcn_bytes_per_s=1e13)
     assert outer["seconds"] < split["seconds"]
-    assert not auto.pick_route(split, {auto.outer_name(outer): outer}, 0.01).get("outer")
+    assert not autopick.pick_route(split, {auto.outer_name(outer): outer}, 0.01).get("outer")
     # A trial takes it only where it measured OUTER_GAIN faster than the best other.
     name = auto.outer_name(outer)
     for outer_s, taken in ((0.85, "as given"), (0.7, name)):
         times = iter([1.0, 0.9, outer_s])  # timed in this order: raw, as given, outer
-        d = auto.weigh_by_trial(split, {name: outer}, lambda d: next(times), 3, margin=100.0)
+        d = autopick.weigh_by_trial(split, {name: outer}, lambda d: next(times), 3, margin=100.0)
         assert d["trial"]["measured_s"] == {"uncompressed": 1.0, "as given": 0.9, name: outer_s}
         assert d["trial"]["taken"] == taken and bool(d.get("outer")) == (taken == name)
     # A run too short for one sync cannot take it.
@@ -531,7 +531,7 @@ def test_two_processes_allowed_an_outer_loop_weigh_it_and_train_with_the_route_t
     routes = {k: v["seconds"] for k, v in decision["routes"].items()}
     assert set(routes) == {"as given", "per hop (mesh.dcn_data=2)", name}
     every_step = min(routes["as given"], routes["per hop (mesh.dcn_data=2)"])
-    outer = routes[name] < (1 - auto.OUTER_GAIN) * every_step
+    outer = routes[name] < (1 - autopick.OUTER_GAIN) * every_step
     assert bool(decision.get("outer")) == outer and decision["seconds"] == (
         routes[name] if outer else every_step)
     synced = [r["step"] for r in _records(workdir) if "outer_fragment" in r]
