@@ -12,6 +12,18 @@ config: these are the rules alone, so they can be tested on made-up figures.
 """
 from __future__ import annotations
 
+RAW = "uncompressed"       # the trial's name for the run sending raw on the mesh as given
+OUTER_ENTRY = "dcn.outer"  # the decision's entry for an outer loop's syncs
+# An outer loop costs loss (compression.budget's outer=H accepts it), so it is
+# taken only where it saves at least this share of the step: less is within
+# the run-to-run spread of step times measured here (up to 19% on the two-hop
+# rig at fast rates).
+OUTER_GAIN = 0.2
+# A trial times a candidate predicted within this share of the best: the
+# model's error reached 27% on the two-hop rig, so a tighter cut could drop
+# the winner.
+TRIAL_MARGIN = 0.5
+
 
 def overrides(summary: dict) -> dict:
     """{"data.grad": codec, ...}: the decision as policy entries."""
@@ -42,18 +54,8 @@ def pick_route(flat: dict, others: dict, compute_s: float = 0.0) -> dict:
     return {**out, "raw_seconds": flat["raw_seconds"], "routes": _routes(flat, others)}
 
 
-RAW = "uncompressed"
-OUTER_ENTRY = "dcn.outer"  # the decision's entry for an outer loop's syncs
-# An outer loop costs loss (compression.budget's outer=H accepts it), so it is taken only where it
-# saves at least this share of the step: less is within the run-to-run spread
-# of step times measured here (up to 19% on the two-hop rig at fast rates).
-OUTER_GAIN = 0.2
-
-
 def _outer_pays(outer_s: float, every_step_s: float) -> bool:
     return outer_s < (1.0 - OUTER_GAIN) * every_step_s
-TRIAL_MARGIN = 0.5  # time a candidate predicted within 50% of the best: the model's error
-                    # reached 27% on the two-hop rig, so a tighter cut could drop the winner
 
 
 def as_raw(d: dict) -> dict:
