@@ -55,11 +55,15 @@ def _local_elements(shape, spec, sizes) -> int:
     return n
 
 
+def _param_shapes(run):
+    return jax.eval_shape(lambda: gpt.init_params(run.model, jax.random.key(0),
+                                                  coders=autoencoder.coders(run.policy)))
+
+
 def param_groups(run) -> dict:
     """{mesh axes a leaf is split over: float32 bytes per device, padded as ZeRO
     shards them over the data axes}: the groups the optimizer buckets apart."""
-    shapes = jax.eval_shape(lambda: gpt.init_params(run.model, jax.random.key(0),
-                                                    coders=autoencoder.coders(run.policy)))
+    shapes = _param_shapes(run)
     specs = sharding.param_specs(shapes)
     sizes = run.plan_sizes()
     d = math.prod(sizes.get(a, 1) for a in ("dcn", "data"))
@@ -152,9 +156,6 @@ def outer_sync(run) -> tune.Traffic:
     k, h = run.islands, run.outer.every
     d = run.plan_sizes()["data"]
     shard = sum(param_groups(run).values()) / d
-    leaves = len(jax.tree.leaves(jax.eval_shape(
-        lambda: gpt.init_params(run.model, jax.random.key(0),
-                                coders=autoencoder.coders(run.policy)))))
+    leaves = len(jax.tree.leaves(_param_shapes(run)))
     return tune.Traffic(raw_bytes=2 * (k - 1) / k * shard / h, collectives=leaves / h,
                         dtype="float32", op="all-reduce", row=FLAT_ROW, n=max(k, 2))
-

@@ -21,8 +21,8 @@ import statistics
 import time
 
 import jax
-import numpy as np
 
+from jcomp import tune
 from jcomp.train import resume
 from jcomp.train.stepcache import StepCache, global_batch
 
@@ -52,12 +52,7 @@ def step_seconds(run, mesh, rows, steps: int, warmup: int = 1) -> float:
         state, m = exe(state, batch)
         jax.block_until_ready(m["loss"])  # waits for the step (per island in an outer loop)
         times.append(time.perf_counter() - t0)
-    return _agree(statistics.median(times[warmup:]))
+    # Process 0's figure on every process: the trials' choice must be one.
+    [seconds] = tune.agree([statistics.median(times[warmup:])])
+    return seconds
 
-
-def _agree(seconds: float) -> float:
-    """Process 0's figure on every process: the trials' choice must be one."""
-    if jax.process_count() == 1:
-        return seconds
-    from jax.experimental import multihost_utils
-    return float(np.asarray(multihost_utils.broadcast_one_to_all(np.float64(seconds))))

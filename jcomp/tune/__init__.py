@@ -15,10 +15,10 @@ jcomp.collectives.
 """
 from jcomp.tune.choose import (  # noqa: F401
     DEFAULT_LADDERS, Choice, Decision, choose, ladders, predict)
-from jcomp.tune.probe import DEFAULT_CODECS, fit_link, probe  # noqa: F401
+from jcomp.tune.probe import DEFAULT_CODECS, agree, fit_link, probe  # noqa: F401
 from jcomp.tune.profile import CodecCost, Link, Profile, load, save  # noqa: F401
 from jcomp.tune.traffic import Traffic, messages_from  # noqa: F401
 
 __all__ = ["probe", "choose", "Profile", "Link", "CodecCost", "load", "save", "Traffic",
            "messages_from", "Decision", "Choice", "DEFAULT_LADDERS", "ladders", "predict",
-           "fit_link", "DEFAULT_CODECS"]
+           "fit_link", "DEFAULT_CODECS", "agree"]

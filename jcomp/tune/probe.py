@@ -171,7 +171,7 @@ def _probe_codec(mesh, spec: str, nbytes: int, repeats: int) -> CodecCost:
                              f"once, median of {repeats}")
 
 
-def _agree(values: list[float]) -> list[float]:
+def agree(values: list[float]) -> list[float]:
     """Process 0's figures on every process (one process: unchanged)."""
     if jax.process_count() == 1:
         return values
@@ -203,7 +203,7 @@ def probe(mesh, codecs=DEFAULT_CODECS, sizes=DEFAULT_SIZES, *, codec_bytes=DEFAU
     links = [_probe_axis(mesh, a, sizes, repeats) for a in axes]
     device = jax.local_devices()[0]
     costs = [_probe_codec(mesh, c, codec_bytes, repeats) for c in names]
-    flat = _agree([v for link in links for v in (link.latency_s, link.bytes_per_s)]
+    flat = agree([v for link in links for v in (link.latency_s, link.bytes_per_s)]
                   + [v for c in costs for v in (c.encode_s_per_byte, c.decode_s_per_byte)])
     links = {a: Link(flat[2 * i], flat[2 * i + 1], link.comment)
              for i, (a, link) in enumerate(zip(axes, links))}
