@@ -66,11 +66,13 @@ validation loss at or below the baseline's final one in its --steps run at
 that rate, or "not reached". All time-to-loss runs share one learning-rate
 schedule (cosine over --ttl-steps), so they differ only by policy.
 
-The outer-loop policies (diloco, sparseloco: islands are the two processes,
---hops) send across the link only when they sync: their rows add each sync's
-time (outer_sync_s, counted in the time to the baseline's loss, where only
-synced models' losses count) and its bytes on the link (the step's kernel
-bytes less a plain step's) against the meter's (outer_bytes_per_sync).
+The outer-loop policies (diloco, diloco_f2, streaming, sparseloco: islands are
+the two processes, --hops) send across the link only when they sync: their
+rows add each sync's time (outer_sync_s, and with outer.delay each merge's,
+outer_apply_s, counted in the time to the baseline's loss, where only synced
+models' losses count) and its bytes on the link (the step's kernel bytes less a
+plain step's) against the meter's (outer_bytes_per_sync). A start carried by
+the next step's program (streaming) has no time of its own: that step's holds it.
 
 Results go to --out (JSON, written after every row). A row already there with
 the same settings and git commit is skipped, so an interrupted sweep resumes
@@ -131,6 +133,15 @@ POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those 
     # convergence suite's choice, experiments/convergence.py OUTER_RUNS).
     "diloco": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER,
                "outer.codec": "int4:rot", "outer.error_feedback": "off"},
+    # Streaming DiLoCo's two halves: the model in 2 fragments of 2 layers, one
+    # syncing every 5 steps, blocking (diloco_f2) or started after its step and
+    # merged 1 step later, its exchange carried by the next step's program
+    # (streaming: outer.delay=1, the islands keep outer.mix=0.5 of their own).
+    "diloco_f2": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER, "outer.fragments": "2",
+                  "outer.codec": "int4:rot", "outer.error_feedback": "off"},
+    "streaming": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER, "outer.fragments": "2",
+                  "outer.delay": "1", "outer.codec": "int4:rot",
+                  "outer.error_feedback": "off"},
     # The same with SparseLoCo's pseudo-gradients: top-k 3% with error feedback.
     "sparseloco": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER,
                    "outer.codec": "topk:0.03", "outer.error_feedback": "on"},
@@ -194,7 +205,7 @@ def launch(ns: Namespace, settings: dict, workdir: str, timeout: float, port: in
            f"--config.checkpoint.every={settings['steps']}",
            *_flags(settings["policy"], settings["set"]),
            f"--coordinator_address={ns.coordinator_host}:{port}", f"--num_processes={n}",
-           f"--cpu_devices={TOTAL_DEVICES // n}"]
+           f"--cpu_devices={settings.get('devices', TOTAL_DEVICES) // n}"]
     env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
     for name in ("JCOMP_COORDINATOR", "JCOMP_NUM_PROCESSES", "JCOMP_PROCESS_ID"):
         env.pop(name, None)
@@ -327,18 +338,28 @@ def _auto_figures(decision: dict) -> dict:
 
 def _outer_figures(by_step, static, window, delta, devices) -> dict:
     """An outer loop's syncs (none for an every-step run): each sync's own time
-    by step, and its bytes on the link (the step's kernel bytes less the median
+    by step (with outer.delay, each merge's too; a start carried by the next
+    step's program has none of its own: that step's time holds it), and its
+    bytes on the link (the kernel bytes of the step that sent it less the median
     step without a sync) against the meter's (outer_bytes_per_sync per device,
     read from the compiled sync program, times the devices)."""
     if "outer_bytes_per_step" not in static:
         return {}
-    synced = [s for s in sorted(by_step) if "outer_sync_s" in by_step[s]]
+    alone = [s for s in sorted(by_step) if "outer_sync_s" in by_step[s]]
+    carried = [s for s in sorted(by_step) if "outer_carried" in by_step[s]]
+    synced = sorted(alone + carried)  # the steps whose kernel bytes hold a sync
     plain = [delta[s] for s in window if s not in synced]
     rest = statistics.median(plain) if plain else None
     measured = [s for s in synced if s in delta and rest is not None]
     kernel = sum(delta[s] - rest for s in measured)
-    meter = sum(by_step[s]["outer_bytes_per_sync"] * devices for s in measured)
-    return dict(outer_sync_s_by_step={str(s): by_step[s]["outer_sync_s"] for s in synced},
+    # A carried start's meter bytes are on the record of the step it was due after.
+    sender = {s: (s - 1 if s in carried else s) for s in measured}
+    meter = sum(by_step[sender[s]]["outer_bytes_per_sync"] * devices for s in measured)
+    applies = {str(s): r["outer_apply_s"] for s, r in sorted(by_step.items())
+               if "outer_apply_s" in r}
+    return dict(outer_sync_s_by_step={str(s): by_step[s]["outer_sync_s"] for s in alone},
+                **({"outer_apply_s_by_step": applies} if applies else {}),
+                **({"outer_carried_steps": carried} if carried else {}),
                 kernel_bytes_per_step_without_sync=rest,
                 kernel_sync_bytes=kernel if measured else None,
                 meter_sync_bytes=meter if measured else None,
@@ -364,6 +385,7 @@ def plan(args) -> list[dict]:
     # A burst other than the default is part of a row's settings (rows without
     # the key ran at BURST).
     common = dict(procs=args.procs, config=args.config, warmup_steps=args.warmup_steps,
+                  **({"devices": args.devices} if args.devices != TOTAL_DEVICES else {}),
                   **({"burst": args.burst} if args.burst != BURST else {}),
                   set=dict(args.set), **({"hops": True} if args.hops else {}))
     rows = [dict(common, kind="sweep", rate=r, policy=p, steps=args.steps, eval_every=args.steps,
@@ -405,7 +427,9 @@ def time_to_target(rows: list[dict], rate: str) -> dict | None:
         # a synced one counts (train.eval_every a multiple of outer.every).
         hit = next((int(s) for s, v in sorted(r["val_losses"].items(), key=lambda kv: int(kv[0]))
                     if v <= target and not (every and int(s) % every)), None)
-        syncs = r.get("outer_sync_s_by_step", {})
+        syncs = {**r.get("outer_sync_s_by_step", {})}
+        for s, t in r.get("outer_apply_s_by_step", {}).items():  # with outer.delay
+            syncs[s] = syncs.get(s, 0.0) + t
         out["policies"][name] = dict(
             kind=r["settings"]["kind"], commit=r["commit"],
             steps_run=r["settings"]["steps"], reached=hit is not None, step=hit,
@@ -542,6 +566,9 @@ def parse_args(argv):
                    help="processes of train.py: 2 or 4 (see the module doc for 4); 1: the step "
                         "with nothing between processes")
     p.add_argument("--config", default="configs/base.py")
+    p.add_argument("--devices", type=int, default=TOTAL_DEVICES,
+                   help="CPU devices in all, split evenly over the processes (the mesh's "
+                        "product, set with --set mesh.*)")
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warm-steps", type=int, default=2, help="first steps left out of medians")
     p.add_argument("--warmup-steps", type=int, default=2, help="optim.warmup_steps of every run")
@@ -575,6 +602,8 @@ def parse_args(argv):
     if args.hops and args.procs != 2:
         p.error(f"--hops runs one process per namespace, two namespaces: --procs must be 2; "
                 f"got {args.procs}")
+    if args.devices < args.procs or args.devices % args.procs:
+        p.error(f"--devices must be a multiple of --procs={args.procs}; got {args.devices}")
     args.out = args.out or (HOPS_OUT if args.hops else DEFAULT_OUT)
     for name in ("steps", "repeats", "ttl_eval_every", "timeout"):
         if getattr(args, name) <= 0:

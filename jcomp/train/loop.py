@@ -136,6 +136,13 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             return True
         return False
 
+    def evaluates(done):
+        return bool(val) and (done % t.eval_every == 0 or done == t.steps)
+
+    # With outer.delay, a sync start due after a step rides in the next step's
+    # program (outerdelay.carry), so its exchange can overlap that step; after
+    # the last step or one evaluated (the global model must hold it), it runs alone.
+    pending = start.outer_pending
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     try:
         writer = (metrics_lib.MetricsWriter(metrics_path, tensorboard=True)
@@ -168,8 +175,13 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                 break
             profiler.step_starting(done)
             t0 = time.perf_counter()
-            inner, m = exe(inner, batch)
-            state = {**inner, "outer": state["outer"]} if syncs else inner
+            carried, pending = pending, None
+            if carried is None:
+                inner, m = exe(inner, batch)
+                state = {**inner, "outer": state["outer"]} if syncs else inner
+            else:
+                state, m = syncs.run_carried(carried, phase, steps.train_fn(phase), state,
+                                             batch, i)
             if syncs:
                 m = outer_lib.island_mean(m)
             # Waiting on every step also keeps emulated CPU devices from deadlocking.
@@ -191,10 +203,16 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                 state, seconds = syncs.run_apply(f, state)
                 record.update(outer_applied=f, outer_started_at=done - run.outer.delay,
                               outer_apply_s=seconds)
+            if carried is not None:
+                record["outer_carried"] = carried
             for f in outerconfig.due(done, run.outer):
-                state, seconds = syncs.run_sync(f, state, done)
-                record.update(outer_fragment=f, outer_sync_s=seconds,
-                              outer_bytes_per_sync=syncs.bytes_per_sync[f],
+                if run.outer.delay and done < t.steps and not evaluates(done):
+                    pending = f  # its start rides in the next step's program
+                    record["outer_carried_by"] = done + 1
+                else:
+                    state, seconds = syncs.run_sync(f, state, done)
+                    record["outer_sync_s"] = seconds
+                record.update(outer_fragment=f, outer_bytes_per_sync=syncs.bytes_per_sync[f],
                               outer_bytes_per_step=syncs.bytes_per_step())
                 if run.outer.delay:
                     record["outer_applies_at"] = done + run.outer.delay
@@ -208,6 +226,8 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                     bar.write(_start_table(run, phase, report))
                     if syncs:
                         syncs.prepare(state)
+                        if run.outer.delay:  # compiled now, not inside a carrying step
+                            syncs.prepare_carried(phase, steps.train_fn(phase), state, batch)
                         bar.write(syncs.start_line(report.by_axis().get(outer_lib.AXIS, 0.0)))
                         record["outer_bytes_per_step"] = syncs.bytes_per_step()
                         record["outer_state_bytes_per_device"] = \
@@ -216,7 +236,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                     _log.info("step %d: compression schedule: %s", done,
                               record["compression_changes"])
                 logged_phase = phase
-            if val and (done % t.eval_every == 0 or done == t.steps):
+            if evaluates(done):
                 # An outer run's model is the anchor (the global one); the islands'
                 # own params are logged beside it.
                 model = syncs.global_params(state) if syncs else state["params"]
@@ -233,7 +253,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             hooks.after_step(done, record)
             stopping = stop.agreed(done)
             meta = resume.checkpoint_meta(run, train_ds, done, start.schedule_steps, streak,
-                                          auto=decision)
+                                          auto=decision, outer_pending=pending)
             if ckpt.maybe_save(done, state, meta, force=stopping or done == t.steps):
                 hooks.during_save(done, os.fspath(ckpt.directory), stop)
             if stopping:

@@ -73,13 +73,27 @@ def make_apply(run, mesh, params_shapes, tx, fragment: int):
     return apply
 
 
+def carry(train_fn, start_fn):
+    """fn(inner, batch, outer, n) -> (inner after the step, its metrics, outer
+    after the start): one inner step and a fragment's sync start, due after
+    step n (`inner`'s state), in one program. Neither reads what the other
+    writes, so the compiler may run the start's exchange across islands while
+    the step computes; as two programs, one device runs them one after the other.
+    The start reads the islands' state before the step, as it would alone."""
+    def fused(inner, batch, outer, n):
+        new_inner, metrics = train_fn(inner, batch)
+        return new_inner, metrics, start_fn(outer, inner, n)
+    return jax.jit(fused, donate_argnums=(0, 2))
+
+
 def compile_all(run, mesh, params_shapes, tx, state):
     """-> (every fragment's compiled start: fn(outer, rest, step) -> outer, its
-    compiled merge: fn(state) -> state, its bytes per device across islands)."""
+    compiled merge: fn(state) -> state, its bytes per device across islands,
+    its start as a jitted function, for `carry`)."""
     step_no = jnp.zeros((), jnp.int32)
     keep = jax.tree.map(lambda x: x.sharding, state)
     rest = {k: v for k, v in state.items() if k != "outer"}
-    starts, applies, sent = [], [], []
+    starts, applies, sent, fns = [], [], [], []
     for f in range(run.outer.fragments):
         sync = make_sync(run, mesh, params_shapes, tx, f, stage="start")
         # Only the outer state is donated and returned: the islands' state stays
@@ -89,20 +103,44 @@ def compile_all(run, mesh, params_shapes, tx, state):
                         donate_argnums=0, out_shardings=keep["outer"])
         exe = start.lower(state["outer"], rest, step_no).compile()
         starts.append(exe)
+        fns.append(start)
         sent.append(float(wire.measure_compiled(exe, mesh).by_axis().get(AXIS, 0.0)))
         apply = make_apply(run, mesh, params_shapes, tx, f)
         applies.append(jax.jit(apply, donate_argnums=0, out_shardings=keep).lower(state)
                        .compile())
-    return starts, applies, sent
+    return starts, applies, sent, fns
 
 
 class DelayedSyncs(Syncs):
-    """`Syncs` whose fragments start without waiting (`compile_all`'s starts) and
-    merge outer.delay steps later (its merges)."""
+    """`Syncs` whose fragments start without waiting (`compile_all`'s starts), or
+    inside the next inner step's program (`run_carried`), and merge outer.delay
+    steps later (its merges)."""
 
     def _compile(self, state):
-        self._exe, self._apply, self.bytes_per_sync = compile_all(
+        self._exe, self._apply, self.bytes_per_sync, self._start_fns = compile_all(
             self.run, self.mesh, self.shapes, self.tx, state)
+        self._carried = {}  # (phase, fragment) -> compiled `carry` program
+
+    def prepare_carried(self, phase, train_fn, state, batch):
+        """Compiles `phase`'s train step carrying each fragment's start (once), so
+        that no compile falls inside a step."""
+        self.prepare(state)
+        inner = {k: v for k, v in state.items() if k != "outer"}
+        n = jnp.zeros((), jnp.int32)
+        for f in range(self.run.outer.fragments):
+            if (phase, f) not in self._carried:
+                fn = carry(train_fn, self._start_fns[f])
+                self._carried[phase, f] = fn.lower(inner, batch, state["outer"], n).compile()
+
+    def run_carried(self, fragment: int, phase, train_fn, state, batch, started_after: int):
+        """-> (state after one inner step on `batch` with fragment `fragment`'s
+        sync start, due after step `started_after` (`state`'s), in its program;
+        the step's metrics). `train_fn`: `phase`'s jitted train step."""
+        self.prepare_carried(phase, train_fn, state, batch)
+        inner = {k: v for k, v in state.items() if k != "outer"}
+        n = jnp.asarray(started_after, jnp.int32)
+        inner, metrics, outer = self._carried[phase, fragment](inner, batch, state["outer"], n)
+        return {**inner, "outer": outer}, metrics
 
 
 def syncs_for(run, mesh, params_shapes, tx):

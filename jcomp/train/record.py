@@ -63,4 +63,4 @@ def due(record: dict, step_no: int, log_every: int, total_steps: int) -> bool:
     an outer loop's sync."""
     return (step_no % log_every == 0 or "val_loss" in record or step_no == total_steps
             or "wire_bytes_total" in record or "ef_reset" in record
-            or "outer_sync_s" in record)
+            or "outer_fragment" in record or "outer_carried" in record)

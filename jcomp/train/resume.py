@@ -47,6 +47,9 @@ class Start:
     schedule_steps: int  # the length the learning-rate schedule was laid out for
     streak: int          # non-finite steps in a row up to `step`
     tx: Any              # the optimizer, its schedule `schedule_steps` long
+    # With outer.delay: the fragment whose sync start, due after `step`, rides in
+    # the next step's program (`jcomp.train.outerdelay.carry`); None: none pending.
+    outer_pending: int | None = None
 
 
 def init_params(run):
@@ -113,14 +116,17 @@ def _both(*checks):
 
 
 def checkpoint_meta(run, train_ds, step_no: int, schedule_steps: int, streak: int,
-                    auto: dict | None = None) -> dict:
+                    auto: dict | None = None, outer_pending: int | None = None) -> dict:
     """What a checkpoint of step `step_no` records beside the state; `auto`, the
-    decision of compression.auto (jcomp.train.auto), is what a resume keeps."""
+    decision of compression.auto (jcomp.train.auto), is what a resume keeps;
+    `outer_pending`, a sync start due after `step_no` not yet run (it rides in
+    the next step's program), is what a resume runs first."""
     return {"data": train_ds.state(step_no), "step": step_no, "fingerprint": run.fingerprint(),
             "schedule_steps": schedule_steps, "nonfinite_streak": streak,
             "optim": dataclasses.asdict(run.optim), "mesh_dcn_data": int(run.dcn_data),
             **({"outer": run.outer.record()} if run.outer else {}),
-            **({"auto": auto} if auto else {})}
+            **({"auto": auto} if auto else {}),
+            **({"outer_pending": int(outer_pending)} if outer_pending is not None else {})}
 
 
 def optim_changes(run, meta) -> list[str]:
@@ -209,4 +215,6 @@ def restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds) -> Start
                      "was laid out for; it keeps that length (constant after step %d)",
                      run.train.steps, schedule_steps, schedule_steps)
         tx = run.optim.tx(schedule_steps)
-    return Start(state, start, schedule_steps, streak, tx)
+    pending = meta.get("outer_pending")
+    return Start(state, start, schedule_steps, streak, tx,
+                 None if pending is None else int(pending))

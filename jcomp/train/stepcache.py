@@ -35,7 +35,7 @@ class StepCache:
 
     def __init__(self, run, mesh, tx, params_shapes):
         self.run, self.mesh, self.tx, self.shapes = run, mesh, tx, params_shapes
-        self._train: dict = {}  # phase -> (compiled executable, wire.WireReport)
+        self._train: dict = {}  # phase -> (compiled executable, wire.WireReport, jitted fn)
         self._eval: dict = {}
 
     def train(self, phase, state, batch):
@@ -44,8 +44,13 @@ class StepCache:
             fn = step.make_train_step(self.run.model, self.mesh, self.run.plan(phase), self.tx,
                                       self.shapes, **self.run.step_options())
             exe = fn.lower(state, batch).compile()
-            self._train[phase] = (exe, wire.measure_compiled(exe, self.mesh))
-        return self._train[phase]
+            self._train[phase] = (exe, wire.measure_compiled(exe, self.mesh), fn)
+        return self._train[phase][:2]
+
+    def train_fn(self, phase):
+        """`phase`'s train step as a jitted function, to trace into a larger program
+        (`jcomp.train.outerdelay.carry`); compiled by `train` already."""
+        return self._train[phase][2]
 
     def train_report(self, phase) -> wire.WireReport:
         """The wire report of `phase`'s compiled train step (compiled already)."""
@@ -53,7 +58,7 @@ class StepCache:
 
     def train_reports(self) -> dict:
         """phase -> wire report, for the phases whose train step is compiled."""
-        return {phase: report for phase, (_, report) in self._train.items()}
+        return {phase: report for phase, (_, report, _) in self._train.items()}
 
     def val_loss(self, phase, params, val_batches) -> float:
         """Mean loss over the local validation batches, each made global, through the

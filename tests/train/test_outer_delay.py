@@ -136,3 +136,32 @@ def test_a_resume_cannot_drop_or_add_a_delay():
     assert check(delayed, delayed) == [] and check(blocking, blocking) == []
     assert "outer.delay=1, this run has outer.delay=0" in check(blocking, delayed)[0]
     assert "outer.delay=0, this run has outer.delay=1" in check(delayed, blocking)[0]
+
+
+@pytest.mark.slow  # compiles whole train steps, syncs and one carried step
+def test_a_start_carried_by_the_next_step_equals_the_start_run_alone():
+    """outerdelay.carry: fragment 1's start (due after step 2) and step 3 in one
+    program leave the same state, bit for bit, as the start run alone after step
+    2 and then step 3; the one program holds the step's collectives and the
+    start's exchange across islands."""
+    kw = {"outer.every": 4, "outer.fragments": 2, "outer.delay": 1,
+          "outer.codec": "int4:rot", "outer.error_feedback": "on"}
+    alone, carried = _Run(**kw), _Run(**kw)
+    for r in (alone, carried):
+        _step(r, 1)
+        r.inner_step(2)
+    assert outerconfig.due(2, alone.run.outer) == [1]
+    alone.state, _ = alone.syncs.run_sync(1, alone.state, 2)
+    alone.inner_step(3)
+    phase = carried.run.phases[0][1]
+    carried.steps.train(phase, {k: v for k, v in carried.state.items() if k != "outer"},
+                        carried.batch(3))
+    carried.state, m = carried.syncs.run_carried(1, phase, carried.steps.train_fn(phase),
+                                                 carried.state, carried.batch(3), 2)
+    for x, y in zip(jax.tree.leaves(_np(alone.state)), jax.tree.leaves(_np(carried.state))):
+        assert np.array_equal(x, y)
+    assert np.isfinite(float(outer.island_mean(m)["loss"]))
+    exe = carried.syncs._carried[phase, 1]
+    from jcomp.meter import wire
+    sent = wire.measure_compiled(exe, carried.mesh).by_axis()
+    assert sent.get(outer.AXIS, 0) == pytest.approx(carried.syncs.bytes_per_sync[1])

@@ -215,5 +215,35 @@ def test_a_delayed_sync_in_flight_at_a_save_resumes_bit_for_bit(tmp_path):
     want = records(full)
     assert [want[s].get("outer_applied") for s in (4, 6, 8)] == [1, 0, 1], want
     assert [want[s].get("outer_started_at") for s in (4, 6, 8)] == [2, 4, 6], want
+    # Fragment 1's starts (after steps 2 and 6) ride in steps 3 and 7; fragment 0's,
+    # after the evaluated steps 4 and 8, run alone so that val_loss holds them.
+    assert {s: r["outer_carried"] for s, r in want.items() if "outer_carried" in r} == \
+        {3: 1, 7: 1}, want
+    assert {s: r["outer_carried_by"] for s, r in want.items() if "outer_carried_by" in r} == \
+        {2: 3, 6: 7}, want
+    assert sorted(s for s, r in want.items() if "outer_sync_s" in r) == [4, 8], want
     _killed_at_6_resumes_as(full, str(tmp_path / "killed"), DELAYED,
                             ("loss", "grad_norm", "val_loss", "val_loss_islands"))
+
+
+def test_a_save_with_a_carried_start_pending_resumes_bit_for_bit(tmp_path):
+    """Saves every 2 steps: the save at step 2 falls between fragment 1's start
+    falling due (after step 2) and step 3, whose program carries it; the
+    checkpoint records it (outer_pending) and the resumed run's step 3 carries it.
+    kill -9 during the save of step 4: steps 3-8 and the final checkpoint repeat
+    the uninterrupted run's bit for bit."""
+    flags = [*DELAYED, "--config.checkpoint.every=2"]
+    full = str(tmp_path / "full")
+    proc = run(full, *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    killed = str(tmp_path / "killed")
+    proc = run(killed, *flags, kill_during_save=4)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
+    again = run(killed, *flags)
+    assert again.returncode == 0, again.stderr[-3000:]
+    want, got = records(full), records(killed)
+    assert got[3].get("outer_carried") == 1, got[3]
+    for s in range(3, 9):
+        for key in ("loss", "grad_norm", "val_loss", "val_loss_islands", "outer_carried"):
+            assert got[s].get(key) == want[s].get(key), (s, key, got[s], want[s])
+    assert state_digest(killed, 8) == state_digest(full, 8)
