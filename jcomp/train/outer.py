@@ -37,8 +37,9 @@ n % H == f * H / F (H = outer.every). The global model is the anchor
 islands' own params (val_loss_islands).
 
 Delay (outer.delay = tau > 0, Streaming DiLoCo's overlap): a sync starts
-after its step and is merged into the islands tau steps later
-(`jcomp.train.outerdelay`). With delay 0 the sync blocks, as without it.
+after its step, in the next step's program, and is merged into the islands
+tau steps later (`jcomp.train.outerdelay`). With delay 0 the sync blocks, as
+without it.
 
 outer.codec="sparseloco[:k=K][:chunk=C][:beta=B]" is SparseLoCo
 (`jcomp.collectives.sparseloco`): chunked top-k, 2-bit values, a decaying
@@ -348,16 +349,15 @@ class Syncs:
 
     def run_sync(self, fragment: int, state, done: int):
         """-> (state after fragment `fragment`'s sync after step `done`, seconds).
-        With outer.delay: the sync started (seconds: its dispatch; off CPU the
-        result is waited on by `run_apply`)."""
+        With outer.delay: its start, run alone (after an evaluated or the last
+        step; the others ride in the next step's program, `outerdelay.carry`)."""
         self.prepare(state)
         t0 = time.perf_counter()
         if self.run.outer.delay:
             rest = {k: v for k, v in state.items() if k != "outer"}
             outer = self._exe[fragment](state["outer"], rest, jnp.asarray(done, jnp.int32))
             state = {**state, "outer": outer}
-            if jax.default_backend() == "cpu":
-                jax.block_until_ready(outer)
+            jax.block_until_ready(outer)
             return state, time.perf_counter() - t0
         state = self._exe[fragment](state, jnp.asarray(done, jnp.int32))
         jax.block_until_ready(state)

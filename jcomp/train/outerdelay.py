@@ -1,23 +1,33 @@
 """A delayed, overlapped outer sync (outer.delay = tau > 0): Streaming DiLoCo's
 overlapping communication in the trainer's outer loop (`jcomp.train.outer`).
 
-Delay (outer.delay = tau > 0, Streaming DiLoCo's overlapped communication):
-fragment f's sync is split in two programs. The start (`outer.make_sync(...,
-stage="start")`, after step n) forms the pseudo-gradient from the islands'
-masters at n, averages it and steps the outer optimizer into the anchor, the
-residuals and the outer state, and leaves the islands' params alone: it is
-dispatched and not waited on (on CPU it is: queued collective programs on
-emulated devices can stall), so the next inner steps, which do not read
-state["outer"], run while it sends. The merge (`make_apply`, after step
-n + tau) sets each island's master of the fragment to mix * its own + (1 -
-mix) * the anchor's (the paper's mixing factor, the islands' share; 0.5 as
-there) and gathers its working params anew. The pending result is the
-anchor itself, part of the checkpointed state, and whether a merge is due
-is a function of the step alone (`outerconfig.applied`): a save with a sync
-in flight resumes bit for bit. outer.delay < H, so a fragment's next start
-comes after its last merge. A start whose merge would fall after
-train.steps leaves the islands' params without it; the global model (the
-anchor) has it. With delay 0 the sync is the blocking one, unchanged.
+Fragment f's sync falls in two parts. The start (`outer.make_sync(...,
+stage="start")`, due after step n) forms the pseudo-gradient from the
+islands' masters at n, averages it across islands and steps the outer
+optimizer into the anchor, the residuals and the outer state, leaving the
+islands' params alone. The merge (`make_apply`, after step n + tau) sets each
+island's master of the fragment to mix * its own + (1 - mix) * the anchor's
+(the paper's mixing factor, the islands' share; 0.5 as there) and gathers its
+working params anew.
+
+The start rides in step n + 1's program (`carry`): the step and the start read
+the same state and neither reads what the other writes, so the compiler may
+run the exchange across islands while the step computes. Dispatched as a
+program of its own, the start would not overlap anything: a device runs its
+programs one after the other. Whether the exchange hides in one program is
+up to the backend's scheduler; docs/experiments.md has what the CPU rig shows.
+After a step that is evaluated, or the run's last, the start runs alone
+(`Syncs.run_sync`), so that the global model evaluated there holds it.
+
+The pending result is the anchor itself, part of the checkpointed state;
+whether a merge is due is a function of the step alone
+(`outerconfig.applied`); a start due but not yet carried is named in the
+checkpoint's metadata (outer_pending) and carried by the resumed run's first
+step. So a save with a sync in flight resumes bit for bit. outer.delay < H,
+so a fragment's next start comes after its last merge. A start whose merge
+would fall after train.steps leaves the islands' params without it; the
+global model (the anchor) has it. With delay 0 the sync is the blocking one,
+unchanged.
 """
 from __future__ import annotations
 
