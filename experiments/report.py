@@ -550,6 +550,7 @@ def build(results, page_dir: str) -> str:
                           load("collectives_sizes.json"), load("parallel.json"))
     net, gpu, hops = load("network.json"), load("gpu.json"), load("network_hops.json")
     outer, auto = load("network_outer.json"), load("network_auto.json")
+    streaming, overlap = load("network_streaming.json"), load("overlap.json")
 
     commands = [i for _, s in summaries for i in s.get("invocations", [])]
     if proj:
@@ -562,9 +563,11 @@ def build(results, page_dir: str) -> str:
         commands.append(f"python -m benchmarks.parallel --repeats {par['repeats']}")
     if net:
         commands += report_network.commands(net)
-    for rig in (hops, outer):
+    for rig in (hops, outer, streaming):
         if rig:
             commands += report_network.commands(rig)
+    if overlap:
+        commands.append(overlap["command"])
     if gpu:
         commands.append(gpu["command"])
     commands.append("python -m experiments.report")
@@ -642,6 +645,14 @@ def build(results, page_dir: str) -> str:
         page += ["## compression.auto across a throttled link (experiments/network.py --hops, "
                  "policy auto)", "", text, ""]
         claims += auto_claims
+    if streaming:
+        text, streaming_claims = report_network.streaming_section(streaming)
+        page += ["## Streaming against blocking syncs across a throttled link "
+                 "(experiments/network.py --hops, policies diloco_f2 and streaming)", "", text, ""]
+        claims += streaming_claims
+    if overlap:
+        page += ["## Does an exchange hide behind compute? (experiments/overlap.py)", "",
+                 report_network.overlap_section(overlap), ""]
     page += ["## GPU (benchmarks/gpu.py)", "", report_network.gpu_section(gpu), ""]
     page += ["## What matches the papers, what doesn't, and why", ""]
     page += [f"- {c}" for c in claims] or ["- No convergence or projection results yet."]

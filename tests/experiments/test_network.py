@@ -132,6 +132,47 @@ def test_a_sync_s_bytes_on_the_link_are_its_steps_excess_over_a_plain_step():
     assert net._outer_figures(by_step, {}, [2], delta, devices=8) == {}  # every-step run
 
 
+def test_a_carried_starts_bytes_are_on_the_step_that_carried_it_and_merges_are_timed():
+    """outer.delay: the start due after step 3 rides in step 4 (outer_carried),
+    so step 4's excess is the sync, priced by step 3's outer_bytes_per_sync; a
+    merge's seconds count in the time to the loss like a sync's."""
+    by_step = {s: {"step": s} for s in range(1, 7)}
+    static = {"outer_bytes_per_step": 100.0}
+    by_step[3].update(outer_fragment=1, outer_carried_by=4, outer_bytes_per_sync=400.0)
+    by_step[4].update(outer_carried=1)
+    by_step[5].update(outer_apply_s=0.2)
+    delta = {2: 10.0, 3: 12.0, 4: 3212.0, 5: 11.0, 6: 10.0}
+    got = net._outer_figures(by_step, static, [2, 3, 4, 5, 6], delta, devices=8)
+    assert got["outer_carried_steps"] == [4] and got["outer_sync_s_by_step"] == {}
+    assert got["kernel_sync_bytes"] == 3201.5 and got["meter_sync_bytes"] == 3200.0
+    assert got["outer_apply_s_by_step"] == {"5": 0.2}
+    rows = [_row("baseline", "sweep", 4, {4: 2.0}),
+            _row("streaming", "ttl", 20, {10: 2.5, 20: 1.9})]
+    rows[1]["outer_sync_s_by_step"] = {"10": 0.5}
+    rows[1]["outer_apply_s_by_step"] = {"6": 0.25, "16": 0.125}
+    hit = net.time_to_target(rows, "100mbit")["policies"]["streaming"]
+    assert hit["step"] == 20 and hit["time_s"] == 20 * 1.0 + 0.5 + 0.375
+
+
+def test_the_streaming_section_sets_the_carrying_step_against_a_plain_one_and_a_sync():
+    def row(policy, times, repeat=0, **outer):
+        return dict(settings=dict(procs=2, config="configs/base.py", warmup_steps=2, hops=True,
+                                  set={}, kind="sweep", rate="10mbit", policy=policy, steps=8,
+                                  eval_every=8, repeat=repeat),
+                    commit="abc1234def", date="2026-12-05T00", median_step_s=0.3,
+                    step_times_s=times, **outer)
+    plain = [0.9, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]
+    carried = [0.9, 0.5, 0.3, 0.8, 0.3, 0.3, 0.5, 0.3]  # steps 4 (its first) and 7 carry
+    net_ = {"rows": [row("diloco_f2", plain, outer_sync_s_by_step={"3": 0.1, "6": 0.1}),
+                     row("streaming", carried, outer_carried_steps=[4, 7],
+                         outer_apply_s_by_step={"5": 0.0, "8": 0.0})]}
+    text, claims = rep.streaming_section(net_)
+    line = next(l for l in text.splitlines() if l.startswith("| streaming |"))
+    assert line.split("|")[5:8] == [" 0.300 s ", " 0.500 s ", " - "]
+    assert "against the carrying step 0.500 s: -0.100 s" in text  # 0.3 + 0.1 - 0.5
+    assert len(claims) == 1 and "hid -0.100 s" in claims[0]
+
+
 def test_a_row_of_compression_auto_keeps_its_decision_and_its_steps():
     """compression.auto's first metrics record has no step: the row's figures come
     from the step records as for any policy, and the row carries the decision
