@@ -221,10 +221,22 @@ def split_for(run, processes: int) -> int | None:
     given: one slow-hop group per process. None where there is none to weigh:
     the user split the data axis already, an outer loop runs, one process, or a
     process would hold fewer than two data ranks (the fast hop would be empty)."""
+    return None if no_split(run, processes) else processes
+
+
+def no_split(run, processes: int) -> str | None:
+    """Why `split_for` has no split to weigh, or None where it has one."""
     d = run.mesh_shape[0]
-    if run.dcn_data != 1 or run.outer or processes < 2 or d % processes or d // processes < 2:
-        return None
-    return processes
+    if run.dcn_data != 1:
+        return f"the data axis is split already (mesh.dcn_data={run.dcn_data})"
+    if run.outer:
+        return f"an outer loop is set already (outer.every={run.outer.every})"
+    if processes < 2:
+        return "one process, so no slow hop lies between islands"
+    if d % processes or d // processes < 2:
+        return (f"mesh.data={d} does not give each of the {processes} processes two data "
+                "ranks or more")
+    return None
 
 
 def with_split(cfg, k: int):
@@ -302,7 +314,7 @@ def decide(cfg, s: dict, run, mesh, workdir, rows=None):
         step, summary = kept
         summary = {**summary, "source": f"kept from the checkpoint of step {step}"}
     else:
-        flat, others, _ = _candidates(cfg, s, run, mesh)
+        flat, others, note = _candidates(cfg, s, run, mesh)
         if s["trial"]:
             if rows is None:
                 raise ValueError("compression.trial needs the run's first rows (rows=)")
@@ -319,6 +331,8 @@ def decide(cfg, s: dict, run, mesh, workdir, rows=None):
         else:
             summary = pick_route(flat, others, s["compute_s"]) if others else flat
             summary = with_compute(summary, s["compute_s"])
+        if note:
+            summary = {**summary, "not_weighed": note}
     chosen = validate(with_policy(cfg, summary), len(mesh.devices.flat))
     if s["mode"] == "reprobe":
         _check_reprobe(workdir, summary)
@@ -332,22 +346,24 @@ def _probe(mesh, codecs=tune.DEFAULT_CODECS) -> tune.Profile:
         raise UsageError(f"compression.profile='' (probe at start): {e}") from None
 
 
-def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict, int | None]:
+def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict, str | None]:
     """(the decision for the mesh as given, {name: decision} of the other routes,
-    their mesh.dcn_data). The other routes are weighed only with the probe (a
+    a note where the budget allows an outer loop not weighed). The other routes are weighed only with the probe (a
     written profile has no figures for a mesh it was not written for) and where
     `split_for` offers a split, whose links are probed on the split mesh: the
     per hop route, and an outer loop across the split where the budget allows
     one (`outer_candidate`)."""
     from jcomp.train.runspec import validate
+    every = (s["budget"] or {}).get(OUTER)
     if s["profile"] is not None:
         return choose(run, s["profile"], s["budget"], s["overlap"],
-                      f"profile {s['profile_path']}"), {}, None
+                      f"profile {s['profile_path']}"), {}, _not_weighed(
+            every, "a written profile has no figures for another mesh than the run's")
     profile = _probe(mesh)
     flat = choose(run, profile, s["budget"], s["overlap"], "probed at start")
     k = split_for(run, jax.process_count())
     if k is None:
-        return flat, {}, None
+        return flat, {}, _not_weighed(every, no_split(run, jax.process_count()))
     n = len(mesh.devices.flat)
     split_run = validate(uncompressed(with_split(cfg, k)), n)
     links = _probe(mesh_lib.make_mesh(split_run.mesh_shape, dcn_data=k), codecs=()).links
@@ -358,7 +374,26 @@ def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict, int | None]:
     outer = outer_candidate(cfg, s["budget"], s["overlap"], k, split_profile, n)
     if outer is not None:
         others[outer_name(outer)] = outer
-    return flat, others, k
+    return flat, others, _not_weighed(every, outer is None and outer_unfit(cfg, k, every, n))
+
+
+def _not_weighed(every, why) -> str | None:
+    """The decision's note where compression.budget allows an outer loop that
+    was not weighed, saying why; None where it was, or is not allowed."""
+    if not every or not why:
+        return None
+    return f"no outer loop weighed (compression.budget allows outer={every}): {why}"
+
+
+def outer_unfit(cfg, k: int, every: int, n_devices: int) -> str | None:
+    """Why the run cannot train under an outer loop across k islands syncing every
+    `every` steps (`with_outer`), or None where it can."""
+    from jcomp.train.runspec import validate
+    try:
+        validate(uncompressed(with_outer(cfg, k, every)), n_devices)
+    except UsageError as e:
+        return str(e)
+    return None
 
 
 def per_hop(k: int) -> str:
@@ -379,12 +414,9 @@ def outer_candidate(cfg, budget, overlap: float, k: int, split_profile: tune.Pro
     run cannot take it (e.g. train.steps < H)."""
     from jcomp.train.runspec import validate
     every = (budget or {}).get(OUTER)
-    if not every:
+    if not every or outer_unfit(cfg, k, every, n_devices):
         return None
-    try:
-        orun = validate(uncompressed(with_outer(cfg, k, every)), n_devices)
-    except UsageError:
-        return None
+    orun = validate(uncompressed(with_outer(cfg, k, every)), n_devices)
     d = choose(orun, split_profile, budget, overlap, "probed at start")
     sync = stepbytes.outer_sync(orun)
     link = split_profile.link(mesh_lib.DCN)
@@ -447,6 +479,8 @@ def table(summary: dict) -> str:
                      "compression.budget's outer=H)")
     elif summary.get("dcn_data", 1) > 1:
         lines.append(f"  route taken: per hop, mesh.dcn_data={summary['dcn_data']}")
+    if summary.get("not_weighed"):
+        lines.append(f"  {summary['not_weighed']}")
     lines.append(f"  predicted communication per step: {now * 1e3:.4g} ms vs {raw * 1e3:.4g} ms "
                  f"uncompressed ({now / raw if raw else 1.0:.2f}x; overlap "
                  f"{summary['overlap']:g}; {summary['device']})")

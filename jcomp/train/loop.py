@@ -169,7 +169,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             phase = schedule_lib.phase_at(run.phases, i)
             if stopped_before_any_step(i):
                 break
-            inner = _inner(state)
+            inner = outer_lib.inner_state(state)
             exe, report = steps.train(phase, inner, batch)
             if stopped_before_any_step(i):
                 break
@@ -281,11 +281,6 @@ def _start_table(run, phase, report) -> str:
 
 def _mesh_sizes(run) -> dict:
     return run.plan_sizes()
-
-
-def _inner(state):
-    """What the train step takes: the state less the outer loop's part."""
-    return {k: v for k, v in state.items() if k != "outer"}
 
 
 def _skipped(state, syncs) -> int:

@@ -166,6 +166,11 @@ def is_spec(x):
     return isinstance(x, P)
 
 
+def inner_state(state) -> dict:
+    """What an inner step takes: the train state less the outer loop's part."""
+    return {k: v for k, v in state.items() if k != "outer"}
+
+
 def abstract_state(run, params_shapes, mesh, tx) -> dict:
     """The outer run's train state as ShapeDtypeStructs with shardings (the
     checkpoint's restore target)."""
@@ -354,7 +359,7 @@ class Syncs:
         self.prepare(state)
         t0 = time.perf_counter()
         if self.run.outer.delay:
-            rest = {k: v for k, v in state.items() if k != "outer"}
+            rest = inner_state(state)
             outer = self._exe[fragment](state["outer"], rest, jnp.asarray(done, jnp.int32))
             state = {**state, "outer": outer}
             jax.block_until_ready(outer)

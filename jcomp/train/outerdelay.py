@@ -37,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from jcomp.meter import wire
 from jcomp.train import fragments
-from jcomp.train.outer import (AXIS, Syncs, cast_islands, is_spec, make_sync, master_specs,
-                               part_shapes, plan_of)
+from jcomp.train.outer import (AXIS, Syncs, cast_islands, inner_state, is_spec, make_sync,
+                               master_specs, part_shapes, plan_of)
 
 
 def make_apply(run, mesh, params_shapes, tx, fragment: int):
@@ -102,7 +102,7 @@ def compile_all(run, mesh, params_shapes, tx, state):
     its start as a jitted function, for `carry`)."""
     step_no = jnp.zeros((), jnp.int32)
     keep = jax.tree.map(lambda x: x.sharding, state)
-    rest = {k: v for k, v in state.items() if k != "outer"}
+    rest = inner_state(state)
     starts, applies, sent, fns = [], [], [], []
     for f in range(run.outer.fragments):
         sync = make_sync(run, mesh, params_shapes, tx, f, stage="start")
@@ -135,7 +135,7 @@ class DelayedSyncs(Syncs):
         """Compiles `phase`'s train step carrying each fragment's start (once), so
         that no compile falls inside a step."""
         self.prepare(state)
-        inner = {k: v for k, v in state.items() if k != "outer"}
+        inner = inner_state(state)
         n = jnp.zeros((), jnp.int32)
         for f in range(self.run.outer.fragments):
             if (phase, f) not in self._carried:
@@ -147,7 +147,7 @@ class DelayedSyncs(Syncs):
         sync start, due after step `started_after` (`state`'s), in its program;
         the step's metrics). `train_fn`: `phase`'s jitted train step."""
         self.prepare_carried(phase, train_fn, state, batch)
-        inner = {k: v for k, v in state.items() if k != "outer"}
+        inner = inner_state(state)
         n = jnp.asarray(started_after, jnp.int32)
         inner, metrics, outer = self._carried[phase, fragment](inner, batch, state["outer"], n)
         return {**inner, "outer": outer}, metrics

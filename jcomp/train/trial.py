@@ -23,7 +23,7 @@ import time
 import jax
 
 from jcomp import tune
-from jcomp.train import resume
+from jcomp.train import outer, resume
 from jcomp.train.stepcache import StepCache, global_batch
 
 
@@ -42,8 +42,7 @@ def step_seconds(run, mesh, rows, steps: int, warmup: int = 1) -> float:
     tx = run.optim.tx(run.train.steps)
     # An outer loop's inner step takes the state less its outer part (the loop's
     # syncs are not timed here: compression.auto prices them per step).
-    state = {k: v for k, v in resume.init_state(run, make_params(), mesh, tx, shapes).items()
-             if k != "outer"}
+    state = outer.inner_state(resume.init_state(run, make_params(), mesh, tx, shapes))
     batch = global_batch(mesh, rows, run.train.batch_size)
     exe, _ = StepCache(run, mesh, tx, shapes).train(run.phases[-1][1], state, batch)
     times = []

@@ -220,6 +220,31 @@ def test_an_outer_loop_is_a_candidate_only_where_the_budget_allows_it():
     assert auto.outer_candidate(cfg3, {"outer": 10}, 0.0, 2, FAST, 8) is None
 
 
+def test_an_allowed_outer_loop_that_is_not_weighed_says_why_in_the_table():
+    """compression.budget's outer=H is never silently dropped: a written profile,
+    a mesh with no split to make, or a run that cannot take the loop each gives
+    its reason in the decision, which the table prints."""
+    cfg, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
+    s = {"profile": FAST, "profile_path": "fast.json", "budget": {"outer": 10}, "overlap": 0.0}
+    flat, others, note = auto._candidates(cfg, s, run, mesh=None)
+    assert others == {} and note == ("no outer loop weighed (compression.budget allows "
+                                     "outer=10): a written profile has no figures for another "
+                                     "mesh than the run's")
+    assert note in auto.table({**flat, "not_weighed": note})
+    _, no_outer = auto._candidates(cfg, {**s, "budget": {"grad": "int8"}}, run, mesh=None)[1:]
+    assert no_outer is None  # nothing allowed, nothing to explain
+    assert auto.no_split(run, 1) == "one process, so no slow hop lies between islands"
+    assert auto.no_split(run, 4) == ("mesh.data=4 does not give each of the 4 processes two "
+                                     "data ranks or more")
+    assert auto.no_split(run, 2) is None
+    _, split = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "mesh.dcn_data": 2})
+    assert auto.no_split(split, 2) == "the data axis is split already (mesh.dcn_data=2)"
+    short, _ = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "train.steps": 5})
+    why = auto.outer_unfit(short, 2, 10, 8)
+    assert why and "train.steps" in why, why
+    assert auto.outer_unfit(cfg, 2, 10, 8) is None
+
+
 def test_budget_outer_is_parsed_apart_from_the_codec_kinds():
     assert auto.parse_budget("grad=int8,outer=10") == {"grad": "int8", "outer": 10}
     assert auto.codec_budget({"grad": "int8", "outer": 10}) == {"grad": "int8"}
