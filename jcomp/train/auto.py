@@ -348,11 +348,11 @@ def _probe(mesh, codecs=tune.DEFAULT_CODECS) -> tune.Profile:
 
 def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict, str | None]:
     """(the decision for the mesh as given, {name: decision} of the other routes,
-    a note where the budget allows an outer loop not weighed). The other routes are weighed only with the probe (a
-    written profile has no figures for a mesh it was not written for) and where
-    `split_for` offers a split, whose links are probed on the split mesh: the
-    per hop route, and an outer loop across the split where the budget allows
-    one (`outer_candidate`)."""
+    a note where the budget allows an outer loop that is not weighed). The other
+    routes are weighed only with the probe (a written profile has no figures for
+    a mesh it was not written for) and where `split_for` offers a split, whose
+    links are probed on the split mesh: the per hop route, and an outer loop
+    across the split where the budget allows one (`outer_candidate`)."""
     from jcomp.train.runspec import validate
     every = (s["budget"] or {}).get(OUTER)
     if s["profile"] is not None:

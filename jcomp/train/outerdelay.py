@@ -122,9 +122,9 @@ def compile_all(run, mesh, params_shapes, tx, state):
 
 
 class DelayedSyncs(Syncs):
-    """`Syncs` whose fragments start without waiting (`compile_all`'s starts), or
-    inside the next inner step's program (`run_carried`), and merge outer.delay
-    steps later (its merges)."""
+    """`Syncs` whose fragments start inside the next inner step's program
+    (`run_carried`), or alone after an evaluated or the last step
+    (`compile_all`'s starts), and merge outer.delay steps later (its merges)."""
 
     def _compile(self, state):
         self._exe, self._apply, self.bytes_per_sync, self._start_fns = compile_all(
