@@ -1,6 +1,6 @@
 """configs/base.py with the codecs chosen by the trainer from measured links:
 the mesh is probed at start (a few seconds), or read from a profile, and the
-candidates the model cannot tell apart are timed for 3 steps each
+candidates the model cannot tell apart are timed for 6 steps each
 (compression.trial) before training starts.
 
     python train.py --config=configs/auto.py
@@ -15,5 +15,5 @@ from configs import base
 def get_config():
     c = base.get_config()
     c.compression.auto = "on"
-    c.compression.trial = 3
+    c.compression.trial = 6
     return c

@@ -149,12 +149,12 @@ POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those 
     # the run's own mesh (jcomp.train.auto), which with two processes weighs the
     # per-hop split (mesh.dcn_data=2) too; auto_perhop is given that split. As
     # configs/auto.py, the candidates the model cannot tell apart are timed for
-    # 3 steps each before training (compression.trial).
-    "auto": {"policy": "baseline", "auto": "on", "trial": "3"},
-    "auto_perhop": {"policy": "baseline", "mesh.dcn_data": "2", "auto": "on", "trial": "3"},
+    # 6 steps each before training (compression.trial).
+    "auto": {"policy": "baseline", "auto": "on", "trial": "6"},
+    "auto_perhop": {"policy": "baseline", "mesh.dcn_data": "2", "auto": "on", "trial": "6"},
     # The same allowed an outer loop syncing every 10 steps (compression.budget
     # outer=10: the loss of diloco's setting accepted), weighed beside the routes.
-    "auto_outer": {"policy": "baseline", "auto": "on", "trial": "3", "budget": "outer=10"},
+    "auto_outer": {"policy": "baseline", "auto": "on", "trial": "6", "budget": "outer=10"},
 }
 
 

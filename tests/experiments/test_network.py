@@ -208,7 +208,7 @@ def test_a_row_of_compression_auto_keeps_its_decision_and_its_steps():
     assert "route taken: per hop, mesh.dcn_data=2" in table and "int4:rot" in table
     assert net._flags("auto", {}) == ["--config.compression.policy=baseline",
                                       "--config.compression.auto=on",
-                                      "--config.compression.trial=3"]
+                                      "--config.compression.trial=6"]
 
 
 @pytest.mark.e2e
