@@ -551,6 +551,7 @@ def build(results, page_dir: str) -> str:
     net, gpu, hops = load("network.json"), load("gpu.json"), load("network_hops.json")
     outer, auto = load("network_outer.json"), load("network_auto.json")
     streaming, overlap = load("network_streaming.json"), load("overlap.json")
+    auto6 = load("network_auto_trial6.json")
 
     commands = [i for _, s in summaries for i in s.get("invocations", [])]
     if proj:
@@ -563,7 +564,7 @@ def build(results, page_dir: str) -> str:
         commands.append(f"python -m benchmarks.parallel --repeats {par['repeats']}")
     if net:
         commands += report_network.commands(net)
-    for rig in (hops, outer, streaming):
+    for rig in (hops, outer, auto6, streaming):
         if rig:
             commands += report_network.commands(rig)
     if overlap:
@@ -645,6 +646,11 @@ def build(results, page_dir: str) -> str:
         page += ["## compression.auto across a throttled link (experiments/network.py --hops, "
                  "policy auto)", "", text, ""]
         claims += auto_claims
+    if auto6:
+        text, auto6_claims = report_network.auto_section(auto6)
+        page += ["## compression.auto with compression.trial=6 across a throttled link "
+                 "(experiments/network.py --hops, policy auto)", "", text, ""]
+        claims += auto6_claims
     if streaming:
         text, streaming_claims = report_network.streaming_section(streaming)
         page += ["## Streaming against blocking syncs across a throttled link "
