@@ -631,31 +631,22 @@ def build(results, page_dir: str) -> str:
         text, net_claims = report_network.network_section(net, (proj or {}).get("link"))
         page += ["## Wall-clock on a throttled link (experiments/network.py)", "", text, ""]
         claims += net_claims
-    if hops:
-        text, hop_claims = report_network.hops_section(hops)
-        page += ["## Two hops: a throttled link between two processes (experiments/network.py "
-                 "--hops)", "", text, ""]
-        claims += hop_claims
-    if outer:
-        text, outer_claims = report_network.outer_section(outer)
-        page += ["## An outer loop across a throttled link (experiments/network.py --hops, "
-                 "outer-loop policies)", "", text, ""]
-        claims += outer_claims
-    if auto:
-        text, auto_claims = report_network.auto_section(auto)
-        page += ["## compression.auto across a throttled link (experiments/network.py --hops, "
-                 "policy auto)", "", text, ""]
-        claims += auto_claims
-    if auto6:
-        text, auto6_claims = report_network.auto_section(auto6)
-        page += ["## compression.auto with compression.trial=6 across a throttled link "
-                 "(experiments/network.py --hops, policy auto)", "", text, ""]
-        claims += auto6_claims
-    if streaming:
-        text, streaming_claims = report_network.streaming_section(streaming)
-        page += ["## Streaming against blocking syncs across a throttled link "
-                 "(experiments/network.py --hops, policies diloco_f2 and streaming)", "", text, ""]
-        claims += streaming_claims
+    rigs = (  # (results, their section, its heading) of the two-hop rig
+        (hops, report_network.hops_section, "Two hops: a throttled link between two processes "
+         "(experiments/network.py --hops)"),
+        (outer, report_network.outer_section, "An outer loop across a throttled link "
+         "(experiments/network.py --hops, outer-loop policies)"),
+        (auto, report_network.auto_section, "compression.auto across a throttled link "
+         "(experiments/network.py --hops, policy auto)"),
+        (auto6, report_network.auto_section, "compression.auto with compression.trial=6 across "
+         "a throttled link (experiments/network.py --hops, policy auto)"),
+        (streaming, report_network.streaming_section, "Streaming against blocking syncs across "
+         "a throttled link (experiments/network.py --hops, policies diloco_f2 and streaming)"))
+    for results, section, heading in rigs:
+        if results:
+            text, found = section(results)
+            page += [f"## {heading}", "", text, ""]
+            claims += found
     if overlap:
         page += ["## Does an exchange hide behind compute? (experiments/overlap.py)", "",
                  report_network.overlap_section(overlap), ""]

@@ -388,12 +388,16 @@ def _not_weighed(every, why) -> str | None:
 def outer_unfit(cfg, k: int, every: int, n_devices: int) -> str | None:
     """Why the run cannot train under an outer loop across k islands syncing every
     `every` steps (`with_outer`), or None where it can."""
+    return _outer_run(cfg, k, every, n_devices)[1]
+
+
+def _outer_run(cfg, k: int, every: int, n_devices: int):
+    """(the uncompressed RunSpec under that outer loop, None) or (None, why not)."""
     from jcomp.train.runspec import validate
     try:
-        validate(uncompressed(with_outer(cfg, k, every)), n_devices)
+        return validate(uncompressed(with_outer(cfg, k, every)), n_devices), None
     except UsageError as e:
-        return str(e)
-    return None
+        return None, str(e)
 
 
 def per_hop(k: int) -> str:
@@ -412,11 +416,10 @@ def outer_candidate(cfg, budget, overlap: float, k: int, split_profile: tune.Pro
     bytes across the slow hop averaged over its H steps (stepbytes.outer_sync)
     as the entry OUTER_ENTRY. None where the budget does not allow it or the
     run cannot take it (e.g. train.steps < H)."""
-    from jcomp.train.runspec import validate
     every = (budget or {}).get(OUTER)
-    if not every or outer_unfit(cfg, k, every, n_devices):
+    orun = _outer_run(cfg, k, every, n_devices)[0] if every else None
+    if orun is None:
         return None
-    orun = validate(uncompressed(with_outer(cfg, k, every)), n_devices)
     d = choose(orun, split_profile, budget, overlap, "probed at start")
     sync = stepbytes.outer_sync(orun)
     link = split_profile.link(mesh_lib.DCN)
