@@ -259,6 +259,16 @@ def run_specs() -> list[dict]:
                      overrides={"data.grad": "int8", "data.param": "int8",
                                 "dcn.grad": "int4:rot", "dcn.param": "int8"},
                      error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
+    # Its two other choices at 100 Mbit/s with a 6-step trial
+    # (experiments/results/network_auto_trial6.json): int4:rot/int8 across with
+    # int8 on data.param inside, or on the tensor messages instead.
+    across = {"dcn.grad": "int4:rot", "dcn.param": "int8"}
+    runs.append(dict(name="hop_auto_param8", suite="hops", group="main", policy="baseline",
+                     overrides={"data.param": "int8", **across},
+                     error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
+    runs.append(dict(name="hop_auto_act8", suite="hops", group="main", policy="baseline",
+                     overrides={"tensor.act": "int8", "tensor.act_grad": "int8", **across},
+                     error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
     # The outer loop across the same slow hop (jcomp/train/outer.py).
     runs.append(dict(name="hop_raw", suite="outer", group="main", policy="baseline",
                      overrides={}, error_feedback="off", extra=("--config.mesh.dcn_data=2",)))

@@ -202,7 +202,8 @@ def test_suites_and_bad_arguments():
 
 def test_the_hops_suite_codes_the_same_data_messages_on_one_hop_or_the_whole_axis():
     specs = {s["name"]: s for s in conv.select("hops")}
-    assert list(specs) == ["baseline", "hop_flat", "hop_perhop", "hop_auto100mbit"]
+    assert list(specs) == ["baseline", "hop_flat", "hop_perhop", "hop_auto100mbit",
+                           "hop_auto_param8", "hop_auto_act8"]
     flat = conv.train_args(specs["hop_flat"], "configs/base.py", 600, 120, 60)
     perhop = conv.train_args(specs["hop_perhop"], "configs/base.py", 600, 120, 60)
     assert {"--config.compression.data.grad=int4:rot",
@@ -214,6 +215,15 @@ def test_the_hops_suite_codes_the_same_data_messages_on_one_hop_or_the_whole_axi
     assert {"--config.compression.data.grad=int8", "--config.compression.data.param=int8",
             "--config.compression.dcn.grad=int4:rot", "--config.compression.dcn.param=int8",
             "--config.mesh.dcn_data=2"} <= set(auto)
+    param8 = conv.train_args(specs["hop_auto_param8"], "configs/base.py", 600, 120, 60)
+    act8 = conv.train_args(specs["hop_auto_act8"], "configs/base.py", 600, 120, 60)
+    across = {"--config.compression.dcn.grad=int4:rot", "--config.compression.dcn.param=int8",
+              "--config.mesh.dcn_data=2"}
+    assert across | {"--config.compression.data.param=int8"} <= set(param8)
+    assert not any(a.startswith("--config.compression.data.grad") for a in param8)
+    assert across | {"--config.compression.tensor.act=int8",
+                     "--config.compression.tensor.act_grad=int8"} <= set(act8)
+    assert not any(a.startswith("--config.compression.data.") for a in act8)
 
 
 def test_set_overrides_typed_config_fields_and_names_a_bad_one():
