@@ -339,7 +339,8 @@ def _auto_figures(decision: dict) -> dict:
 def _outer_figures(by_step, static, window, delta, devices) -> dict:
     """An outer loop's syncs (none for an every-step run): each sync's own time
     by step (with outer.delay, each merge's too; a start carried by the next
-    step's program has none of its own: that step's time holds it), and its
+    step has none of its own, that step's time holds it, but one on a thread
+    beside the step's is timed there: outer_start_s_by_step), and its
     bytes on the link (the kernel bytes of the step that sent it less the median
     step without a sync) against the meter's (outer_bytes_per_sync per device,
     read from the compiled sync program, times the devices)."""
@@ -357,8 +358,11 @@ def _outer_figures(by_step, static, window, delta, devices) -> dict:
     meter = sum(by_step[sender[s]]["outer_bytes_per_sync"] * devices for s in measured)
     applies = {str(s): r["outer_apply_s"] for s, r in sorted(by_step.items())
                if "outer_apply_s" in r}
+    threaded = {str(s): by_step[s]["outer_start_s"] for s in carried
+                if "outer_start_s" in by_step[s]}
     return dict(outer_sync_s_by_step={str(s): by_step[s]["outer_sync_s"] for s in alone},
                 **({"outer_apply_s_by_step": applies} if applies else {}),
+                **({"outer_start_s_by_step": threaded} if threaded else {}),
                 **({"outer_carried_steps": carried} if carried else {}),
                 kernel_bytes_per_step_without_sync=rest,
                 kernel_sync_bytes=kernel if measured else None,

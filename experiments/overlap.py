@@ -14,9 +14,12 @@ programs over a mesh ('dcn', 'local') = (2, devices per process):
   one program   both in one jitted program, neither reading the other's result
   two programs  the exchange's program, then the compute's, dispatched back to
                 back and waited on together
+  two threads   the same two programs, the exchange's dispatched from a thread
+                of its own: a CPU client runs a program over several devices
+                in the thread that dispatches it
 
-hidden = compute + exchange - one program: the exchange's seconds that ran
-while the compute did (0: one after the other). This is what an outer loop's
+hidden = compute + exchange - one program (hidden_threads: - two threads):
+the exchange's seconds that ran while the compute did (0: one after the other). This is what an outer loop's
 start carried by an inner step's program (jcomp.train.outerdelay.carry) can
 hide at most, and why a start dispatched as a program of its own hides
 nothing. Every figure is the median of --repeats after one warm-up call.
@@ -26,6 +29,7 @@ namespaces are removed on every way out.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -89,9 +93,18 @@ def worker(process: int, coordinator: str, devices: int, exchange_mb: float, mat
             out.append(time.perf_counter() - t0)
         return statistics.median(out)
 
+    def threaded():
+        # The exchange dispatched from a thread of its own: a CPU client runs a
+        # program over several devices in the thread that dispatches it.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(lambda: jax.block_until_ready(e(y)))
+            out = c(x)
+            return out, sent.result()
+
     figures = {"compute_s": timed(lambda: c(x)), "exchange_s": timed(lambda: e(y)),
                "one_program_s": timed(lambda: both(x, y)),
-               "two_programs_s": timed(lambda: (e(y), c(x)))}
+               "two_programs_s": timed(lambda: (e(y), c(x))),
+               "two_threads_s": timed(threaded)}
     jax.distributed.shutdown()
     return figures
 
@@ -100,9 +113,14 @@ def summary(figures: dict) -> dict:
     """The figures with hidden_s (compute + exchange - one program, at least 0)
     and hidden_share (of the shorter of the two: 1 is all that could hide)."""
     apart = figures["compute_s"] + figures["exchange_s"]
-    hidden = max(apart - figures["one_program_s"], 0.0)
     shorter = min(figures["compute_s"], figures["exchange_s"])
-    return {**figures, "hidden_s": hidden, "hidden_share": hidden / shorter if shorter else None}
+    out = dict(figures)
+    for key, suffix in (("one_program_s", ""), ("two_threads_s", "_threads")):
+        if key in figures:
+            hidden = max(apart - figures[key], 0.0)
+            out["hidden" + suffix + "_s"] = hidden
+            out["hidden" + suffix + "_share"] = hidden / shorter if shorter else None
+    return out
 
 
 def parse_args(argv):
@@ -196,7 +214,9 @@ def main(argv=None) -> int:
                     print(f"devices/process {devices}, collective in compute {local}: compute "
                           f"{row['compute_s']:.3f} s, exchange {row['exchange_s']:.3f} s, one "
                           f"program {row['one_program_s']:.3f} s, two programs "
-                          f"{row['two_programs_s']:.3f} s: hidden {row['hidden_s']:.3f} s",
+                          f"{row['two_programs_s']:.3f} s, two threads "
+                          f"{row['two_threads_s']:.3f} s: hidden {row['hidden_s']:.3f} s in "
+                          f"one program, {row['hidden_threads_s']:.3f} s in two threads",
                           flush=True)
     except Unavailable as e:
         print(f"overlap.py: error: cannot make a network namespace: {e}", file=sys.stderr)

@@ -139,9 +139,9 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     def evaluates(done):
         return bool(val) and (done % t.eval_every == 0 or done == t.steps)
 
-    # With outer.delay, a sync start due after a step rides in the next step's
-    # program (outerdelay.carry), so its exchange can overlap that step; after
-    # the last step or one evaluated (the global model must hold it), it runs alone.
+    # With outer.delay, a sync start due after a step overlaps the next step
+    # (outerdelay: in its program, or on a thread beside it); after the last
+    # step or one evaluated (the global model must hold it), it runs alone.
     pending = start.outer_pending
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     try:
@@ -180,8 +180,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                 inner, m = exe(inner, batch)
                 state = {**inner, "outer": state["outer"]} if syncs else inner
             else:
-                state, m = syncs.run_carried(carried, phase, steps.train_fn(phase), state,
-                                             batch, i)
+                state, m, start_s = syncs.run_carried(carried, phase, steps, state, batch, i)
             if syncs:
                 m = outer_lib.island_mean(m)
             # Waiting on every step also keeps emulated CPU devices from deadlocking.
@@ -205,6 +204,8 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                               outer_apply_s=seconds)
             if carried is not None:
                 record["outer_carried"] = carried
+                if start_s is not None:  # its own seconds, on a thread beside the step's
+                    record["outer_start_s"] = start_s
             for f in outerconfig.due(done, run.outer):
                 if run.outer.delay and done < t.steps and not evaluates(done):
                     pending = f  # its start rides in the next step's program
@@ -227,7 +228,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                     if syncs:
                         syncs.prepare(state)
                         if run.outer.delay:  # compiled now, not inside a carrying step
-                            syncs.prepare_carried(phase, steps.train_fn(phase), state, batch)
+                            syncs.prepare_carried(phase, steps, state, batch)
                         bar.write(syncs.start_line(report.by_axis().get(outer_lib.AXIS, 0.0)))
                         record["outer_bytes_per_step"] = syncs.bytes_per_step()
                         record["outer_state_bytes_per_device"] = \

@@ -10,14 +10,25 @@ island's master of the fragment to mix * its own + (1 - mix) * the anchor's
 (the paper's mixing factor, the islands' share; 0.5 as there) and gathers its
 working params anew.
 
-The start rides in step n + 1's program (`carry`): the step and the start read
-the same state and neither reads what the other writes, so the compiler may
-run the exchange across islands while the step computes. Dispatched as a
-program of its own, the start would not overlap anything: a device runs its
-programs one after the other. Whether the exchange hides in one program is
-up to the backend's scheduler; docs/experiments.md has what the CPU rig shows.
-After a step that is evaluated, or the run's last, the start runs alone
-(`Syncs.run_sync`), so that the global model evaluated there holds it.
+The start overlaps step n + 1, in one of two ways (`overlap_for`):
+
+- "program" (GPU, TPU): the start rides in step n + 1's program (`carry`). The
+  step and the start read the same state and neither reads what the other
+  writes, so the compiler may run the exchange across islands while the step
+  computes; such a backend runs a program's collectives asynchronously to its
+  compute. Dispatched back to back as two programs, they would run one after
+  the other on a device.
+- "thread" (CPU): the start's own program is dispatched from a thread of its
+  own while the main thread runs the step, on a copy of the masters it reads
+  (the step donates them). A CPU client runs a program over several devices in
+  the thread that dispatches it, and a program's collectives one at a time in
+  order, so in one program the step's first collective would wait for the
+  exchange (docs/experiments.md has what the rig shows).
+
+Either way the state after step n + 1 is the same, bit for bit, as the start
+run alone after step n and then the step. After a step that is evaluated, or
+the run's last, the start runs alone (`Syncs.run_sync`), so that the global
+model evaluated there holds it.
 
 The pending result is the anchor itself, part of the checkpointed state;
 whether a merge is due is a function of the step alone
@@ -30,6 +41,9 @@ global model (the anchor) has it. With delay 0 the sync is the blocking one,
 unchanged.
 """
 from __future__ import annotations
+
+import concurrent.futures
+import time
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +110,16 @@ def carry(train_fn, start_fn):
     return jax.jit(fused, donate_argnums=(0, 2))
 
 
+OVERLAPS = ("program", "thread")
+
+
+def overlap_for(backend: str) -> str:
+    """How a carried start overlaps its step on `backend`: "thread" on CPU, where
+    a program runs in its dispatching thread and its collectives one at a time;
+    "program" elsewhere (module docstring)."""
+    return "thread" if backend == "cpu" else "program"
+
+
 def compile_all(run, mesh, params_shapes, tx, state):
     """-> (every fragment's compiled start: fn(outer, rest, step) -> outer, its
     compiled merge: fn(state) -> state, its bytes per device across islands,
@@ -122,35 +146,66 @@ def compile_all(run, mesh, params_shapes, tx, state):
 
 
 class DelayedSyncs(Syncs):
-    """`Syncs` whose fragments start inside the next inner step's program
+    """`Syncs` whose fragments start overlapped with the next inner step
     (`run_carried`), or alone after an evaluated or the last step
-    (`compile_all`'s starts), and merge outer.delay steps later (its merges)."""
+    (`compile_all`'s starts), and merge outer.delay steps later (its merges).
+    `overlap`: one of OVERLAPS; None: `overlap_for` the default backend."""
+
+    def __init__(self, run, mesh, params_shapes, tx, overlap: str | None = None):
+        super().__init__(run, mesh, params_shapes, tx)
+        overlap = overlap_for(jax.default_backend()) if overlap is None else overlap
+        if overlap not in OVERLAPS:
+            raise ValueError(f"overlap={overlap!r}; allowed: {', '.join(OVERLAPS)}")
+        self.overlap = overlap
+        self._pool = None
 
     def _compile(self, state):
         self._exe, self._apply, self.bytes_per_sync, self._start_fns = compile_all(
             self.run, self.mesh, self.shapes, self.tx, state)
         self._carried = {}  # (phase, fragment) -> compiled `carry` program
 
-    def prepare_carried(self, phase, train_fn, state, batch):
-        """Compiles `phase`'s train step carrying each fragment's start (once), so
-        that no compile falls inside a step."""
+    def prepare_carried(self, phase, steps, state, batch):
+        """Compiles what carrying a start in `phase` needs (once), so that no
+        compile falls inside a step. `steps`: the run's StepCache."""
         self.prepare(state)
         inner = inner_state(state)
+        steps.train(phase, inner, batch)
+        if self.overlap == "thread":
+            return
         n = jnp.zeros((), jnp.int32)
         for f in range(self.run.outer.fragments):
             if (phase, f) not in self._carried:
-                fn = carry(train_fn, self._start_fns[f])
+                fn = carry(steps.train_fn(phase), self._start_fns[f])
                 self._carried[phase, f] = fn.lower(inner, batch, state["outer"], n).compile()
 
-    def run_carried(self, fragment: int, phase, train_fn, state, batch, started_after: int):
+    def run_carried(self, fragment: int, phase, steps, state, batch, started_after: int):
         """-> (state after one inner step on `batch` with fragment `fragment`'s
-        sync start, due after step `started_after` (`state`'s), in its program;
-        the step's metrics). `train_fn`: `phase`'s jitted train step."""
-        self.prepare_carried(phase, train_fn, state, batch)
+        sync start, due after step `started_after` (`state`'s), overlapped with
+        it; the step's metrics; with overlap "thread", the start's own seconds,
+        else None). `steps`: the run's StepCache."""
+        self.prepare_carried(phase, steps, state, batch)
         inner = inner_state(state)
         n = jnp.asarray(started_after, jnp.int32)
-        inner, metrics, outer = self._carried[phase, fragment](inner, batch, state["outer"], n)
-        return {**inner, "outer": outer}, metrics
+        if self.overlap == "program":
+            inner, metrics, outer = self._carried[phase, fragment](inner, batch, state["outer"], n)
+            return {**inner, "outer": outer}, metrics, None
+        # The start reads the masters the step donates: it gets a copy of its own.
+        masters = jax.device_put(inner["zero"]["master"], may_alias=False)
+        rest = {**inner, "zero": {**inner["zero"], "master": masters}}
+
+        def start():
+            t0 = time.perf_counter()
+            outer = jax.block_until_ready(self._exe[fragment](state["outer"], rest, n))
+            return outer, time.perf_counter() - t0
+
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "outer-start")
+        started = self._pool.submit(start)
+        exe, _ = steps.train(phase, inner, batch)
+        inner, metrics = exe(inner, batch)
+        jax.block_until_ready(inner)
+        outer, seconds = started.result()
+        return {**inner, "outer": outer}, metrics, seconds
 
 
 def syncs_for(run, mesh, params_shapes, tx):

@@ -139,11 +139,12 @@ def test_a_carried_starts_bytes_are_on_the_step_that_carried_it_and_merges_are_t
     by_step = {s: {"step": s} for s in range(1, 7)}
     static = {"outer_bytes_per_step": 100.0}
     by_step[3].update(outer_fragment=1, outer_carried_by=4, outer_bytes_per_sync=400.0)
-    by_step[4].update(outer_carried=1)
+    by_step[4].update(outer_carried=1, outer_start_s=0.3)
     by_step[5].update(outer_apply_s=0.2)
     delta = {2: 10.0, 3: 12.0, 4: 3212.0, 5: 11.0, 6: 10.0}
     got = net._outer_figures(by_step, static, [2, 3, 4, 5, 6], delta, devices=8)
     assert got["outer_carried_steps"] == [4] and got["outer_sync_s_by_step"] == {}
+    assert got["outer_start_s_by_step"] == {"4": 0.3}
     assert got["kernel_sync_bytes"] == 3201.5 and got["meter_sync_bytes"] == 3200.0
     assert got["outer_apply_s_by_step"] == {"5": 0.2}
     rows = [_row("baseline", "sweep", 4, {4: 2.0}),
@@ -168,9 +169,16 @@ def test_the_streaming_section_sets_the_carrying_step_against_a_plain_one_and_a_
                          outer_apply_s_by_step={"5": 0.0, "8": 0.0})]}
     text, claims = rep.streaming_section(net_)
     line = next(l for l in text.splitlines() if l.startswith("| streaming |"))
-    assert line.split("|")[5:8] == [" 0.300 s ", " 0.500 s ", " - "]
-    assert "against the carrying step 0.500 s: -0.100 s" in text  # 0.3 + 0.1 - 0.5
+    assert line.split("|")[5:9] == [" 0.300 s ", " 0.500 s ", " - ", " - "]
+    assert "against the carrying step 0.500 s: -0.100 s." in text  # 0.3 + 0.1 - 0.5
+    assert "on its thread" not in text.split("\n\n")[-1]
     assert len(claims) == 1 and "hid -0.100 s" in claims[0]
+    # Starts on a thread of their own, timed there (each run's first left out).
+    net_["rows"][1]["outer_start_s_by_step"] = {"4": 0.9, "7": 0.4}
+    text, _ = rep.streaming_section(net_)
+    line = next(l for l in text.splitlines() if l.startswith("| streaming |"))
+    assert line.split("|")[6:8] == [" 0.500 s ", " 0.400 s "]
+    assert "its thread (0.400 s): +0.200 s." in text  # 0.3 + 0.4 - 0.5
 
 
 def test_a_row_of_compression_auto_keeps_its_decision_and_its_steps():

@@ -13,6 +13,15 @@ def test_hidden_is_what_one_program_saves_over_the_two_apart():
     serial = overlap.summary({"compute_s": 0.3, "exchange_s": 0.9, "one_program_s": 1.3,
                               "two_programs_s": 1.2})
     assert serial["hidden_s"] == 0.0 and serial["hidden_share"] == 0.0
+    assert "hidden_threads_s" not in row
+
+
+def test_two_threads_hide_what_they_save_over_the_two_apart():
+    row = overlap.summary({"compute_s": 0.3, "exchange_s": 0.9, "one_program_s": 1.2,
+                           "two_programs_s": 1.2, "two_threads_s": 0.95})
+    assert row["hidden_s"] == 0.0
+    assert row["hidden_threads_s"] == pytest.approx(0.25)
+    assert row["hidden_threads_share"] == pytest.approx(0.25 / 0.3)
 
 
 @pytest.mark.parametrize("argv,says", [

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jcomp.train import outer, outerconfig, runspec
+from jcomp.train import outer, outerconfig, outerdelay, runspec
 from tests.train.test_outer import _Run, _np
 from tests.train.tinyconfig import tiny_config
 
@@ -139,14 +139,17 @@ def test_a_resume_cannot_drop_or_add_a_delay():
 
 
 @pytest.mark.slow  # compiles whole train steps, syncs and one carried step
-def test_a_start_carried_by_the_next_step_equals_the_start_run_alone():
-    """outerdelay.carry: fragment 1's start (due after step 2) and step 3 in one
-    program leave the same state, bit for bit, as the start run alone after step
-    2 and then step 3; the one program holds the step's collectives and the
-    start's exchange across islands."""
+@pytest.mark.parametrize("overlap", outerdelay.OVERLAPS)
+def test_a_start_carried_by_the_next_step_equals_the_start_run_alone(overlap):
+    """Fragment 1's start (due after step 2) overlapped with step 3, in one
+    program (outerdelay.carry) or on a thread beside the step's, leaves the
+    same state, bit for bit, as the start run alone after step 2 and then step
+    3; the one program holds the step's collectives and the start's exchange
+    across islands; the thread times the start."""
     kw = {"outer.every": 4, "outer.fragments": 2, "outer.delay": 1,
           "outer.codec": "int4:rot", "outer.error_feedback": "on"}
     alone, carried = _Run(**kw), _Run(**kw)
+    carried.syncs.overlap = overlap
     for r in (alone, carried):
         _step(r, 1)
         r.inner_step(2)
@@ -154,14 +157,30 @@ def test_a_start_carried_by_the_next_step_equals_the_start_run_alone():
     alone.state, _ = alone.syncs.run_sync(1, alone.state, 2)
     alone.inner_step(3)
     phase = carried.run.phases[0][1]
-    carried.steps.train(phase, {k: v for k, v in carried.state.items() if k != "outer"},
-                        carried.batch(3))
-    carried.state, m = carried.syncs.run_carried(1, phase, carried.steps.train_fn(phase),
-                                                 carried.state, carried.batch(3), 2)
+    masters = _np(carried.state["zero"]["master"])
+    carried.state, m, seconds = carried.syncs.run_carried(1, phase, carried.steps,
+                                                          carried.state, carried.batch(3), 2)
     for x, y in zip(jax.tree.leaves(_np(alone.state)), jax.tree.leaves(_np(carried.state))):
         assert np.array_equal(x, y)
     assert np.isfinite(float(outer.island_mean(m)["loss"]))
+    # The step moved the masters: the start read them as they were after step 2.
+    assert not all(np.array_equal(x, y) for x, y in
+                   zip(jax.tree.leaves(masters),
+                       jax.tree.leaves(_np(carried.state["zero"]["master"]))))
+    if overlap == "thread":
+        assert seconds > 0 and carried.syncs._carried == {}
+        return
+    assert seconds is None
     exe = carried.syncs._carried[phase, 1]
     from jcomp.meter import wire
     sent = wire.measure_compiled(exe, carried.mesh).by_axis()
     assert sent.get(outer.AXIS, 0) == pytest.approx(carried.syncs.bytes_per_sync[1])
+
+
+def test_the_overlap_is_a_thread_on_cpu_one_program_elsewhere_and_named_when_bad():
+    assert outerdelay.overlap_for("cpu") == "thread"
+    assert outerdelay.overlap_for("gpu") == outerdelay.overlap_for("tpu") == "program"
+    r = _Run(**{"outer.every": 4, "outer.delay": 1})
+    assert r.syncs.overlap == outerdelay.overlap_for(jax.default_backend())
+    with pytest.raises(ValueError, match="overlap='stream'; allowed: program, thread"):
+        outerdelay.DelayedSyncs(r.run, r.mesh, r.shapes, r.tx, overlap="stream")
