@@ -112,6 +112,10 @@ def carry(train_fn, start_fn):
 
 OVERLAPS = ("program", "thread")
 
+# New buffers of the same values and layout, on every process (a copy the
+# program makes, since it may not hand back the buffers it was given).
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
 
 def overlap_for(backend: str) -> str:
     """How a carried start overlaps its step on `backend`: "thread" on CPU, where
@@ -190,7 +194,7 @@ class DelayedSyncs(Syncs):
             inner, metrics, outer = self._carried[phase, fragment](inner, batch, state["outer"], n)
             return {**inner, "outer": outer}, metrics, None
         # The start reads the masters the step donates: it gets a copy of its own.
-        masters = jax.device_put(inner["zero"]["master"], may_alias=False)
+        masters = _copy(inner["zero"]["master"])
         rest = {**inner, "zero": {**inner["zero"], "master": masters}}
 
         def start():

@@ -204,14 +204,20 @@ def test_stream_killed_mid_round_resumes_bit_for_bit(stream, tmp_path):
 DELAYED = [*STREAM, "--config.outer.delay=2"]
 
 
-def test_a_delayed_sync_in_flight_at_a_save_resumes_bit_for_bit(tmp_path):
+@pytest.fixture(scope="module")
+def delayed(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("delayed") / "full")
+    proc = run(workdir, *DELAYED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def test_a_delayed_sync_in_flight_at_a_save_resumes_bit_for_bit(delayed, tmp_path):
     """kill -9 during the save of step 6: resumed from step 3, whose checkpoint was
     written between fragment 1's start (step 2) and its merge (step 4); steps 4-8
     and every array of the final checkpoint repeat bit for bit, and the merges
     land delay steps after their starts."""
-    full = str(tmp_path / "full")
-    proc = run(full, *DELAYED)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    full = delayed
     want = records(full)
     assert [want[s].get("outer_applied") for s in (4, 6, 8)] == [1, 0, 1], want
     assert [want[s].get("outer_started_at") for s in (4, 6, 8)] == [2, 4, 6], want
@@ -226,6 +232,35 @@ def test_a_delayed_sync_in_flight_at_a_save_resumes_bit_for_bit(tmp_path):
     assert sorted(s for s, r in want.items() if r.get("outer_start_s", 0) > 0) == [3, 7], want
     _killed_at_6_resumes_as(full, str(tmp_path / "killed"), DELAYED,
                             ("loss", "grad_norm", "val_loss", "val_loss_islands"))
+
+
+def test_a_delayed_sync_across_two_processes_trains_as_in_one(delayed, tmp_path):
+    """The same run as 2 processes x 4 CPU devices, an island each
+    (mesh.dcn_data=2): the starts after steps 2 and 6 overlap steps 3 and 7 on a
+    thread of their own in each process, and every loss matches the one-process
+    run's."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    workdir = str(tmp_path / "two")
+    env = dict(_env(), XLA_FLAGS=("--xla_force_host_platform_device_count=4 "
+                                  "--xla_backend_optimization_level=0"))
+    procs = [subprocess.Popen([sys.executable, "train.py", f"--workdir={workdir}", *DELAYED,
+                               "--config.mesh.dcn_data=2", f"--process_id={i}",
+                               f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                               "--cpu_devices=4"],
+                              cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    want, got = records(delayed), records(workdir)
+    assert sorted(s for s, r in got.items() if r.get("outer_start_s", 0) > 0) == [3, 7], got
+    for s in range(1, 9):
+        for key in ("loss", "val_loss", "val_loss_islands"):
+            if key in want[s]:
+                assert got[s][key] == pytest.approx(want[s][key], rel=1e-5), (s, key)
 
 
 def test_a_save_with_a_carried_start_pending_resumes_bit_for_bit(tmp_path):
