@@ -12,9 +12,11 @@ gpu.json (benchmarks/gpu.py), in benchmarks/results/; every
 convergence*/summary.json (experiments/convergence.py), projection.json
 (experiments/projection.py, with its link profile), network.json
 (experiments/network.py), network_hops.json (experiments/network.py --hops),
-network_outer.json (--hops with the outer-loop policies) and network_auto.json
-(--hops with compression.auto), in experiments/results/; see report_network.py
-for those and gpu.json.
+network_outer.json (--hops with the outer-loop policies), network_auto.json and
+network_auto_trial6.json (--hops with compression.auto), network_streaming.json
+and network_streaming_1dev.json (--hops, Streaming DiLoCo against blocking
+syncs) and overlap.json (experiments/overlap.py), in experiments/results/; see
+report_network.py and report_streaming.py for those and gpu.json.
 Every number and every PASS/FAIL in the page is computed from those files;
 only the explanatory prose is fixed text.
 
@@ -33,7 +35,7 @@ import os
 import subprocess
 import sys
 
-from experiments import report_network
+from experiments import report_network, report_streaming
 from experiments import runlog
 from experiments import seeds as seeds_lib
 from jcomp.train.metrics import human_bytes
@@ -551,7 +553,7 @@ def build(results, page_dir: str) -> str:
     net, gpu, hops = load("network.json"), load("gpu.json"), load("network_hops.json")
     outer, auto = load("network_outer.json"), load("network_auto.json")
     streaming, overlap = load("network_streaming.json"), load("overlap.json")
-    auto6 = load("network_auto_trial6.json")
+    auto6, streaming1 = load("network_auto_trial6.json"), load("network_streaming_1dev.json")
 
     commands = [i for _, s in summaries for i in s.get("invocations", [])]
     if proj:
@@ -564,7 +566,7 @@ def build(results, page_dir: str) -> str:
         commands.append(f"python -m benchmarks.parallel --repeats {par['repeats']}")
     if net:
         commands += report_network.commands(net)
-    for rig in (hops, outer, auto6, streaming):
+    for rig in (hops, outer, auto6, streaming, streaming1):
         if rig:
             commands += report_network.commands(rig)
     if overlap:
@@ -640,8 +642,10 @@ def build(results, page_dir: str) -> str:
          "(experiments/network.py --hops, policy auto)"),
         (auto6, report_network.auto_section, "compression.auto with compression.trial=6 across "
          "a throttled link (experiments/network.py --hops, policy auto)"),
-        (streaming, report_network.streaming_section, "Streaming against blocking syncs across "
-         "a throttled link (experiments/network.py --hops, policies diloco_f2 and streaming)"))
+        (streaming, report_streaming.streaming_section, "Streaming against blocking syncs across "
+         "a throttled link (experiments/network.py --hops, policies diloco_f2 and streaming)"),
+        (streaming1, report_streaming.streaming_section, "Streaming against blocking syncs, one "
+         "device per process (experiments/network.py --hops --devices 2)"))
     for results, section, heading in rigs:
         if results:
             text, found = section(results)
@@ -649,7 +653,7 @@ def build(results, page_dir: str) -> str:
             claims += found
     if overlap:
         page += ["## Does an exchange hide behind compute? (experiments/overlap.py)", "",
-                 report_network.overlap_section(overlap), ""]
+                 report_streaming.overlap_section(overlap), ""]
     page += ["## GPU (benchmarks/gpu.py)", "", report_network.gpu_section(gpu), ""]
     page += ["## What matches the papers, what doesn't, and why", ""]
     page += [f"- {c}" for c in claims] or ["- No convergence or projection results yet."]

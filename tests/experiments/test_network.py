@@ -155,32 +155,6 @@ def test_a_carried_starts_bytes_are_on_the_step_that_carried_it_and_merges_are_t
     assert hit["step"] == 20 and hit["time_s"] == 20 * 1.0 + 0.5 + 0.375
 
 
-def test_the_streaming_section_sets_the_carrying_step_against_a_plain_one_and_a_sync():
-    def row(policy, times, repeat=0, **outer):
-        return dict(settings=dict(procs=2, config="configs/base.py", warmup_steps=2, hops=True,
-                                  set={}, kind="sweep", rate="10mbit", policy=policy, steps=8,
-                                  eval_every=8, repeat=repeat),
-                    commit="abc1234def", date="2026-12-05T00", median_step_s=0.3,
-                    step_times_s=times, **outer)
-    plain = [0.9, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]
-    carried = [0.9, 0.5, 0.3, 0.8, 0.3, 0.3, 0.5, 0.3]  # steps 4 (its first) and 7 carry
-    net_ = {"rows": [row("diloco_f2", plain, outer_sync_s_by_step={"3": 0.1, "6": 0.1}),
-                     row("streaming", carried, outer_carried_steps=[4, 7],
-                         outer_apply_s_by_step={"5": 0.0, "8": 0.0})]}
-    text, claims = rep.streaming_section(net_)
-    line = next(l for l in text.splitlines() if l.startswith("| streaming |"))
-    assert line.split("|")[5:9] == [" 0.300 s ", " 0.500 s ", " - ", " - "]
-    assert "against the carrying step 0.500 s: -0.100 s." in text  # 0.3 + 0.1 - 0.5
-    assert "on its thread" not in text.split("\n\n")[-1]
-    assert len(claims) == 1 and "hid -0.100 s" in claims[0]
-    # Starts on a thread of their own, timed there (each run's first left out).
-    net_["rows"][1]["outer_start_s_by_step"] = {"4": 0.9, "7": 0.4}
-    text, _ = rep.streaming_section(net_)
-    line = next(l for l in text.splitlines() if l.startswith("| streaming |"))
-    assert line.split("|")[6:8] == [" 0.500 s ", " 0.400 s "]
-    assert "its thread (0.400 s): +0.200 s." in text  # 0.3 + 0.4 - 0.5
-
-
 def test_a_row_of_compression_auto_keeps_its_decision_and_its_steps():
     """compression.auto's first metrics record has no step: the row's figures come
     from the step records as for any policy, and the row carries the decision
