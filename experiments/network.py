@@ -397,9 +397,10 @@ def plan(args) -> list[dict]:
             for i in range(args.repeats) for r in args.rates for p in args.policies
             if not args.ttl_only]
     if args.ttl_rate:
+        # The first repeat keeps the settings of rows from before --ttl-repeats.
         rows += [dict(common, kind="ttl", rate=args.ttl_rate, policy=p, steps=args.ttl_steps,
-                      eval_every=args.ttl_eval_every)
-                 for p in args.policies]
+                      eval_every=args.ttl_eval_every, **({"repeat": i} if i else {}))
+                 for i in range(args.ttl_repeats) for p in args.policies]
     return rows
 
 
@@ -407,8 +408,10 @@ def time_to_target(rows: list[dict], rate: str) -> dict | None:
     """At `rate`: the baseline's final val_loss in its sweep run and, per policy,
     the training time (sum of step times) to the first validation loss at or
     below it in that policy's time-to-loss run (the baseline's own sweep run
-    where it has none). Each is the newest such row, whatever its commit:
-    training is deterministic, so a loss does not depend on when it was run.
+    where it has none); with several time-to-loss runs of the newest commit
+    (--ttl-repeats), the median of their times (times_s: each run's). Each is
+    the newest such row, whatever its commit: training is deterministic, so a
+    loss does not depend on when it was run.
     A compressed policy's row counts only if it was evaluated exactly
     (`exact_eval`): earlier ones read the loss through a forward whose blocks
     spanned tokens, which leaked the next token."""
@@ -426,23 +429,36 @@ def time_to_target(rows: list[dict], rate: str) -> dict | None:
         name = r["settings"]["policy"]
         if name in out["policies"] or (r["settings"]["kind"] != "ttl" and r is not base):
             continue
+        runs = [r] if r is base else [
+            x for x in ok if x["settings"]["kind"] == "ttl" and x["commit"] == r["commit"]
+            and {**x["settings"], "repeat": 0} == {**r["settings"], "repeat": 0}]
         every = int(POLICIES.get(name, {}).get("outer.every", 0))
-        # Between an outer loop's syncs each island holds its own model: only
-        # a synced one counts (train.eval_every a multiple of outer.every).
-        hit = next((int(s) for s, v in sorted(r["val_losses"].items(), key=lambda kv: int(kv[0]))
-                    if v <= target and not (every and int(s) % every)), None)
-        syncs = {**r.get("outer_sync_s_by_step", {})}
-        for s, t in r.get("outer_apply_s_by_step", {}).items():  # with outer.delay
-            syncs[s] = syncs.get(s, 0.0) + t
+        hits = [_hit(x, target, every) for x in runs]
+        times = [t for _, t in hits if t is not None]
         out["policies"][name] = dict(
             kind=r["settings"]["kind"], commit=r["commit"],
-            steps_run=r["settings"]["steps"], reached=hit is not None, step=hit,
-            # An outer loop's time is its inner steps' and its syncs' up to the hit.
-            time_s=sum(r["step_times_s"][:hit]) + sum(t for s, t in syncs.items() if int(s) <= hit)
-            if hit else None,
+            steps_run=r["settings"]["steps"], reached=hits[0][0] is not None, step=hits[0][0],
+            time_s=statistics.median(times) if times else None,
+            **({"times_s": times} if len(runs) > 1 else {}),
             best_val_loss=min((v for s, v in r["val_losses"].items()
                                if not (every and int(s) % every)), default=None))
     return out
+
+
+def _hit(r: dict, target: float, every: int) -> tuple:
+    """(the first step whose val_loss is at or below `target`, the training time
+    to it), or (None, None)."""
+    # Between an outer loop's syncs each island holds its own model: only a
+    # synced one counts (train.eval_every a multiple of outer.every).
+    hit = next((int(s) for s, v in sorted(r["val_losses"].items(), key=lambda kv: int(kv[0]))
+                if v <= target and not (every and int(s) % every)), None)
+    if hit is None:
+        return None, None
+    syncs = {**r.get("outer_sync_s_by_step", {})}
+    for s, t in r.get("outer_apply_s_by_step", {}).items():  # with outer.delay
+        syncs[s] = syncs.get(s, 0.0) + t
+    # An outer loop's time is its inner steps' and its syncs' up to the hit.
+    return hit, sum(r["step_times_s"][:hit]) + sum(t for s, t in syncs.items() if int(s) <= hit)
 
 
 def _load(path):
@@ -582,6 +598,8 @@ def parse_args(argv):
     p.add_argument("--ttl-rate", default="100mbit", help="'' for no time-to-loss runs")
     p.add_argument("--ttl-steps", type=int, default=None, help="default: 2 x --steps")
     p.add_argument("--ttl-eval-every", type=int, default=2)
+    p.add_argument("--ttl-repeats", type=int, default=1,
+                   help="time-to-loss runs per policy (their median time is reported)")
     p.add_argument("--ttl-only", action="store_true",
                    help="only the time-to-loss runs; their target is the newest baseline "
                         "sweep row at --ttl-rate already in --out, whatever its commit")
@@ -609,7 +627,7 @@ def parse_args(argv):
     if args.devices < args.procs or args.devices % args.procs:
         p.error(f"--devices must be a multiple of --procs={args.procs}; got {args.devices}")
     args.out = args.out or (HOPS_OUT if args.hops else DEFAULT_OUT)
-    for name in ("steps", "repeats", "ttl_eval_every", "timeout"):
+    for name in ("steps", "repeats", "ttl_eval_every", "ttl_repeats", "timeout"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0; got {getattr(args, name)}")
     if not 0 <= args.warm_steps < args.steps - 1:

@@ -58,6 +58,14 @@ def test_sweep_runs_every_row_repeat_major():
                            "baseline", "perhop", "--hops"])
     assert [(s["kind"], s["rate"], s["policy"], s["hops"]) for s in net.plan(only)] == [
         ("ttl", "1gbit", "baseline", True), ("ttl", "1gbit", "perhop", True)]
+    # --ttl-repeats 2: each time-to-loss run twice, repeat-major; the first keeps
+    # the settings of a row from before the option.
+    twice = net.parse_args(["--ttl-only", "--rates", "1gbit", "--ttl-rate", "1gbit",
+                            "--policies", "baseline", "perhop", "--hops", "--ttl-repeats", "2"])
+    assert [(s["policy"], s.get("repeat")) for s in net.plan(twice)] == [
+        ("baseline", None), ("perhop", None), ("baseline", 1), ("perhop", 1)]
+    with pytest.raises(SystemExit):
+        net.parse_args(["--ttl-repeats", "0"])
 
 
 @pytest.mark.e2e
@@ -105,6 +113,21 @@ def test_time_to_target_is_the_first_evaluation_at_or_below_the_baselines_loss()
             for r in rows]
     ttl = net.time_to_target(rows, "100mbit")
     assert ttl["policies"]["naive"]["reached"] is False and "baseline" in ttl["policies"]
+
+
+def test_repeated_time_to_loss_runs_give_the_median_of_the_newest_commits():
+    rows = [_row("baseline", "sweep", 4, {4: 2.0}),
+            _row("hybrid", "ttl", 8, {2: 2.6, 4: 1.9, 8: 1.8}, step_s=9.0, commit="old"),
+            *(dict(_row("hybrid", "ttl", 8, {2: 2.6, 4: 1.9, 8: 1.8}, step_s=t,
+                        date=f"2026-12-02T1{i}:00", commit="new"),
+                   settings=dict(rate="100mbit", policy="hybrid", kind="ttl", steps=8,
+                                 **({"repeat": i} if i else {})))
+              for i, t in enumerate((1.0, 3.0, 2.0)))]
+    got = net.time_to_target(rows, "100mbit")["policies"]["hybrid"]
+    assert got["commit"] == "new" and got["step"] == 4
+    assert sorted(got["times_s"]) == [4.0, 8.0, 12.0] and got["time_s"] == 8.0
+    base = net.time_to_target(rows, "100mbit")["policies"]["baseline"]
+    assert "times_s" not in base and base["time_s"] == 4.0
 
 
 def test_an_outer_loop_reaches_the_loss_only_with_a_synced_model_and_pays_for_its_syncs():
