@@ -86,10 +86,18 @@ def streaming_section(net: dict, warm: int = 2) -> tuple[str, list[str]]:
     ttl = (net.get("ttl_by_rate") or {}).get(s["rate"])
     if ttl:
         pol = ttl["policies"]
-        out += ["", f"Time to the baseline's val_loss {ttl['target_val_loss']:.4f} (one run "
-                "each; syncs and merges counted): " + ", ".join(
-                    f"{n} {p['time_s']:.1f} s (step {p['step']})" if p["reached"]
-                    else f"{n} not reached" for n, p in pol.items()) + "."]
+
+        def hit(n, p):
+            if not p["reached"]:
+                return f"{n} not reached"
+            spread = (f", {min(p['times_s']):.2f}-{max(p['times_s']):.2f} s over "
+                      f"{len(p['times_s'])} runs" if p.get("times_s") else "")
+            return f"{n} {p['time_s']:.2f} s (step {p['step']}{spread})"
+        runs = "the median of its runs" if any("times_s" in p for p in pol.values()) else \
+            "one run each"
+        out += ["", f"Time to the baseline's val_loss {ttl['target_val_loss']:.4f} ({runs}; "
+                "syncs and merges counted): " + ", ".join(hit(n, p) for n, p in pol.items())
+                + "."]
     return "\n".join(out), claims
 
 

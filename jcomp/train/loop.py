@@ -208,7 +208,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                     record["outer_start_s"] = start_s
             for f in outerconfig.due(done, run.outer):
                 if run.outer.delay and done < t.steps and not evaluates(done):
-                    pending = f  # its start rides in the next step's program
+                    pending = f  # its start overlaps the next step
                     record["outer_carried_by"] = done + 1
                 else:
                     state, seconds = syncs.run_sync(f, state, done)

@@ -47,8 +47,8 @@ class Start:
     schedule_steps: int  # the length the learning-rate schedule was laid out for
     streak: int          # non-finite steps in a row up to `step`
     tx: Any              # the optimizer, its schedule `schedule_steps` long
-    # With outer.delay: the fragment whose sync start, due after `step`, rides in
-    # the next step's program (`jcomp.train.outerdelay.carry`); None: none pending.
+    # With outer.delay: the fragment whose sync start, due after `step`, overlaps
+    # the next step (`jcomp.train.outerdelay.DelayedSyncs.run_carried`); None: none.
     outer_pending: int | None = None
 
 
@@ -119,8 +119,8 @@ def checkpoint_meta(run, train_ds, step_no: int, schedule_steps: int, streak: in
                     auto: dict | None = None, outer_pending: int | None = None) -> dict:
     """What a checkpoint of step `step_no` records beside the state; `auto`, the
     decision of compression.auto (jcomp.train.auto), is what a resume keeps;
-    `outer_pending`, a sync start due after `step_no` not yet run (it rides in
-    the next step's program), is what a resume runs first."""
+    `outer_pending`, a sync start due after `step_no` not yet run (it overlaps
+    the next step), is what a resume runs first."""
     return {"data": train_ds.state(step_no), "step": step_no, "fingerprint": run.fingerprint(),
             "schedule_steps": schedule_steps, "nonfinite_streak": streak,
             "optim": dataclasses.asdict(run.optim), "mesh_dcn_data": int(run.dcn_data),

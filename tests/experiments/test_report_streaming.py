@@ -27,6 +27,16 @@ def test_the_streaming_section_sets_the_carrying_step_against_a_plain_one_and_a_
     line = next(l for l in text.splitlines() if l.startswith("| streaming |"))
     assert line.split("|")[6:8] == [" 0.500 s ", " 0.400 s "]
     assert "its thread (0.400 s): +0.200 s." in text  # 0.3 + 0.4 - 0.5
+    # The time to the baseline's loss, one run each or the median of several.
+    net_["ttl_by_rate"] = {"10mbit": {"target_val_loss": 3.0, "policies": {
+        "streaming": dict(reached=True, step=8, time_s=2.5),
+        "diloco_f2": dict(reached=False, step=None, time_s=None)}}}
+    text, _ = rs.streaming_section(net_)
+    assert ("(one run each; syncs and merges counted): streaming 2.50 s (step 8), diloco_f2 "
+            "not reached.") in text
+    net_["ttl_by_rate"]["10mbit"]["policies"]["streaming"]["times_s"] = [2.0, 2.5, 3.0]
+    text, _ = rs.streaming_section(net_)
+    assert "(the median of its runs; " in text and "2.50 s (step 8, 2.00-3.00 s over 3 runs)" in text
 
 
 def test_the_overlap_section_shows_two_threads_where_they_were_timed():
