@@ -236,9 +236,9 @@ def test_a_delayed_sync_in_flight_at_a_save_resumes_bit_for_bit(delayed, tmp_pat
 
 def test_a_delayed_sync_across_two_processes_trains_as_in_one(delayed, tmp_path):
     """The same run as 2 processes x 4 CPU devices, an island each
-    (mesh.dcn_data=2): the starts after steps 2 and 6 overlap steps 3 and 7 on a
-    thread of their own in each process, and every loss matches the one-process
-    run's."""
+    (mesh.dcn_data=2), saving once: the starts after steps 2 and 6 overlap steps
+    3 and 7 on a thread of their own in each process, and every loss matches
+    the one-process run's."""
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -247,9 +247,9 @@ def test_a_delayed_sync_across_two_processes_trains_as_in_one(delayed, tmp_path)
     env = dict(_env(), XLA_FLAGS=("--xla_force_host_platform_device_count=4 "
                                   "--xla_backend_optimization_level=0"))
     procs = [subprocess.Popen([sys.executable, "train.py", f"--workdir={workdir}", *DELAYED,
-                               "--config.mesh.dcn_data=2", f"--process_id={i}",
-                               f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                               "--cpu_devices=4"],
+                               "--config.checkpoint.every=8", "--config.mesh.dcn_data=2",
+                               f"--process_id={i}", f"--coordinator_address=127.0.0.1:{port}",
+                               "--num_processes=2", "--cpu_devices=4"],
                               cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE) for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
