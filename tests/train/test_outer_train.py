@@ -173,12 +173,17 @@ STREAM = [*OUTER[:-2], "--config.outer.fragments=2",
           "--config.outer.codec=sparseloco:k=4:chunk=64:beta=0.9"]
 
 
-@pytest.fixture(scope="module")
-def stream(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("stream") / "full")
-    proc = run(workdir, *STREAM)
+def _trained(tmp_path_factory, name, flags):
+    """The workdir of an uninterrupted run of train.py with `flags`."""
+    workdir = str(tmp_path_factory.mktemp(name) / "full")
+    proc = run(workdir, *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    return _trained(tmp_path_factory, "stream", STREAM)
 
 
 def test_fragments_log_the_global_val_loss_beside_the_islands(stream):
@@ -206,10 +211,7 @@ DELAYED = [*STREAM, "--config.outer.delay=2"]
 
 @pytest.fixture(scope="module")
 def delayed(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("delayed") / "full")
-    proc = run(workdir, *DELAYED)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return workdir
+    return _trained(tmp_path_factory, "delayed", DELAYED)
 
 
 def test_a_delayed_sync_in_flight_at_a_save_resumes_bit_for_bit(delayed, tmp_path):
