@@ -13,9 +13,17 @@ call; the median time at each size is fitted by least squares to
 latency and 1/bandwidth kept >= 0. A fit in which time does not grow with the
 bytes cannot give a bandwidth: ValueError, asking for larger sizes. The
 defaults suit CPU meshes; on GPU links, where 4 MiB moves in microseconds,
-pass sizes up to hundreds of MiB so that bytes, not latency, dominate. On a
-slow link a size whose calls pass SLOW_CALL_S is timed fewer times, and no
-larger one is tried once two sizes are in. Per codec,
+pass sizes up to hundreds of MiB so that bytes, not latency, dominate.
+
+On a slow link the sizes stop early: no larger size is tried once two are in
+and the last one's call passed SLOW_CALL_S, and the calls of one size stop once
+together past SIZE_BUDGET_S (one at least). A larger call there adds seconds
+to the start, not accuracy: on the two-process rig at 100 Mbit/s (tc's tbf
+between two network namespaces, 4 devices per process crossing at once) a
+psum's throughput fell with its size past 1 MiB per device, 0.95 of tc's rate
+at 1 MiB, 0.87-0.89 at 4 and 8 MiB, and the one call of 4 MiB that a budget of
+1 s allowed put the probe's figure anywhere from 0.83 to 0.95. A train step's
+messages across such a link are far smaller. Per codec,
 encode and decode of `codec_bytes` of float32 rows per device are timed apart
 on every device of the mesh at once, as the train step runs them: where
 devices share the processor (emulated CPU devices) each one codes slower than
@@ -48,7 +56,8 @@ DEFAULT_CODECS = ("bf16", "int8", "int4:rot")
 DEFAULT_SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per device
 DEFAULT_CODEC_BYTES = 1 << 22
 CODEC_ROW = 4096  # elements per coded row: a multiple of every default block
-SLOW_CALL_S = 1.0  # past this, a size is timed once and no larger size is tried
+SLOW_CALL_S = 0.25  # a call past this (of the second size or later) ends the sizes
+SIZE_BUDGET_S = 1.0  # the timed calls of one size stop once together past this
 
 
 def _check_sizes(sizes, name: str):
@@ -115,10 +124,10 @@ def _probe_axis(mesh, axis: str, sizes, repeats: int) -> Link:
         elems = size // 4
         # Made on the devices, so that every process holds only its own shards.
         x = jax.jit(lambda: jnp.ones((devices * elems,), jnp.float32), out_shardings=sharding)()
-        seconds.append(_median_s(program, x, repeats, max_s=SLOW_CALL_S))
+        seconds.append(_median_s(program, x, repeats, max_s=SIZE_BUDGET_S))
         wire.append(2 * (n - 1) / n * size)
         if len(seconds) >= 2 and seconds[-1] > SLOW_CALL_S:
-            break  # a slow link: its bandwidth is already clear, larger sizes only cost time
+            break  # a slow link: its bandwidth is clear, larger sizes only cost time
     sizes = sizes[:len(seconds)]
     latency, s_per_byte = fit_link(wire, seconds)
     if s_per_byte <= 0:

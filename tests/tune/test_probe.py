@@ -1,4 +1,5 @@
 """jcomp.tune.probe on the emulated 8-device CPU mesh: links per axis, codec costs."""
+import importlib
 import math
 import time
 
@@ -8,6 +9,8 @@ import pytest
 from jax.sharding import AxisType
 
 from jcomp import tune
+
+probe_module = importlib.import_module("jcomp.tune.probe")
 
 
 def _mesh(shape, names, kind=AxisType.Explicit):
@@ -58,6 +61,36 @@ def test_fit_link_recovers_a_line_and_keeps_both_figures_non_negative():
     assert b == 0.0 and a == pytest.approx(2.5e-3)
     with pytest.raises(ValueError, match="non-finite"):
         tune.fit_link(w, np.array([1e-3, np.nan, 2e-3, 3e-3]))
+
+
+def _timed_link(monkeypatch, latency_s, bytes_per_s):
+    """The probe's timer answering as a link of these figures would: t = latency
+    + the psum's wire bytes per device / bandwidth. Records each size asked."""
+    asked = []
+
+    def median_s(fn, x, repeats, max_s=float("inf")):
+        size = x.size * 4 // len(jax.devices())
+        asked.append((size, max_s))
+        return latency_s + size / bytes_per_s  # over n=2, wire = size
+    monkeypatch.setattr(probe_module, "_median_s", median_s)
+    return asked
+
+
+@pytest.mark.parametrize("bytes_per_s, timed", [
+    (1e9, [1 << 16, 1 << 20, 1 << 22]),   # every call short: every size
+    (3e6, [1 << 16, 1 << 20]),            # 1 MiB takes 0.35 s: no 4 MiB
+    (1e5, [1 << 16, 1 << 20]),            # even 64 KiB is slow: two sizes still
+])
+def test_the_sizes_stop_at_the_first_slow_call_after_two(monkeypatch, bytes_per_s, timed):
+    asked = _timed_link(monkeypatch, 1e-3, bytes_per_s)
+    mesh = _mesh((2, 4), ("data", "tensor"))
+    prof = tune.probe(mesh, codecs=(), sizes=(1 << 16, 1 << 20, 1 << 22), repeats=3)
+    assert [size for size, _ in asked] == timed * 2  # data's sizes, then tensor's
+    assert all(max_s == probe_module.SIZE_BUDGET_S for _, max_s in asked)
+    assert str(timed) in prof.links["data"].comment
+    # From the sizes it timed, the fit recovers the link.
+    assert prof.links["data"].bytes_per_s == pytest.approx(bytes_per_s, rel=1e-6)
+    assert prof.links["data"].latency_s == pytest.approx(1e-3, rel=1e-6)
 
 
 @pytest.mark.parametrize("kwargs, named", [
