@@ -1,0 +1,30 @@
+"""experiments/probelink.py: the probe's link figure against tc's rate."""
+import pytest
+
+from experiments import probelink
+
+
+def test_figures_scale_a_device_by_the_devices_crossing_at_once_against_tc():
+    worker = dict(latency_s=0.0, bytes_per_s=2.5e6, comment="probe",
+                  psum_s_by_size={"1048576": [0.5, 0.4, 0.45], "65536": [0.1, 0.1, 0.1]})
+    fig = probelink.figures(worker, "100mbit", (1000, 10, 3), (9000, 30, 5))
+    n = probelink.DEVICES_PER_PROCESS
+    assert fig["link_bytes_per_s"] == 2.5e6 * n
+    assert fig["link_over_tc"] == pytest.approx(2.5e6 * n * 8 / 1e8)
+    # Each size: its bytes per device x n over the median call, in bits, over tc's.
+    assert fig["psum_over_tc_by_size"]["1048576"] == pytest.approx(1048576 * n / 0.45 * 8 / 1e8)
+    assert fig["psum_over_tc_by_size"]["65536"] == pytest.approx(65536 * n / 0.1 * 8 / 1e8)
+    assert fig["retransmitted_segments"] == 2 and fig["veth_bytes"] == 8000
+    assert fig["comment"] == "probe"  # the worker's own figures are kept
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--rates", "unthrottled"], "throttled"),
+    (["--rates", "100mbps"], "--rates"),
+    (["--repeats", "0"], "--repeats"),
+])
+def test_bad_arguments_are_named(capsys, argv, named):
+    with pytest.raises(SystemExit) as e:
+        probelink.main(argv)
+    assert e.value.code == 2
+    assert named in capsys.readouterr().err
