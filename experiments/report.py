@@ -15,7 +15,8 @@ convergence*/summary.json (experiments/convergence.py), projection.json
 network_outer.json (--hops with the outer-loop policies), network_auto.json and
 network_auto_trial6.json (--hops with compression.auto), network_streaming.json
 and network_streaming_1dev.json (--hops, Streaming DiLoCo against blocking
-syncs) and overlap.json (experiments/overlap.py), in experiments/results/; see
+syncs) overlap.json (experiments/overlap.py) and probelink.json (experiments/probelink.py),
+in experiments/results/; see
 report_network.py and report_streaming.py for those and gpu.json.
 Every number and every PASS/FAIL in the page is computed from those files;
 only the explanatory prose is fixed text.
@@ -35,7 +36,7 @@ import os
 import subprocess
 import sys
 
-from experiments import report_network, report_streaming
+from experiments import probelink, report_network, report_streaming
 from experiments import runlog
 from experiments import seeds as seeds_lib
 from jcomp.train.metrics import human_bytes
@@ -554,6 +555,7 @@ def build(results, page_dir: str) -> str:
     outer, auto = load("network_outer.json"), load("network_auto.json")
     streaming, overlap = load("network_streaming.json"), load("overlap.json")
     auto6, streaming1 = load("network_auto_trial6.json"), load("network_streaming_1dev.json")
+    probed = load("probelink.json")
 
     commands = [i for _, s in summaries for i in s.get("invocations", [])]
     if proj:
@@ -569,6 +571,8 @@ def build(results, page_dir: str) -> str:
     for rig in (hops, outer, auto6, streaming, streaming1):
         if rig:
             commands += report_network.commands(rig)
+    if probed:
+        commands.append(probelink.command(probed))
     if overlap:
         commands.append(overlap["command"])
     if gpu:
@@ -651,6 +655,10 @@ def build(results, page_dir: str) -> str:
             text, found = section(results)
             page += [f"## {heading}", "", text, ""]
             claims += found
+    if probed:
+        text, found = probelink.report_section(probed)
+        page += ["## The probe's link against tc's rate (experiments/probelink.py)", "", text, ""]
+        claims += found
     if overlap:
         page += ["## Does an exchange hide behind compute? (experiments/overlap.py)", "",
                  report_streaming.overlap_section(overlap), ""]

@@ -15,15 +15,18 @@ bytes cannot give a bandwidth: ValueError, asking for larger sizes. The
 defaults suit CPU meshes; on GPU links, where 4 MiB moves in microseconds,
 pass sizes up to hundreds of MiB so that bytes, not latency, dominate.
 
-On a slow link the sizes stop early: no larger size is tried once two are in
-and the last one's call passed SLOW_CALL_S, and the calls of one size stop once
-together past SIZE_BUDGET_S (one at least). A larger call there adds seconds
-to the start, not accuracy: on the two-process rig at 100 Mbit/s (tc's tbf
-between two network namespaces, 4 devices per process crossing at once) a
-psum's throughput fell with its size past 1 MiB per device, 0.95 of tc's rate
-at 1 MiB, 0.87-0.89 at 4 and 8 MiB, and the one call of 4 MiB that a budget of
-1 s allowed put the probe's figure anywhere from 0.83 to 0.95. A train step's
-messages across such a link are far smaller. Per codec,
+The default sizes grow 4x at a time, and on a slow link they stop early: no
+larger size is tried once two are in and the last one's call passed
+SLOW_CALL_S, and the calls of one size stop once together past SIZE_BUDGET_S
+(one at least). A call of seconds there adds time to the start, not accuracy.
+On the two-process rig (tc's tbf between two network namespaces, 4 devices
+per process crossing at once) a psum's throughput fell once one call moved
+megabytes across a slow link, with TCP retransmitting: at 10 Mbit/s 0.95 of
+tc's rate at 256 KiB per device, 0.87-0.91 at 1 MiB; at 100 Mbit/s 0.95 at
+1 MiB, 0.87-0.89 at 4 and 8 MiB. With sizes of 64 KiB, 1 MiB and 4 MiB, the
+one or two calls of the largest put the probe's figure anywhere from 0.83 to
+0.98 of the rate. A train step's messages across such a link are far smaller
+(experiments/probelink.py measures this). Per codec,
 encode and decode of `codec_bytes` of float32 rows per device are timed apart
 on every device of the mesh at once, as the train step runs them: where
 devices share the processor (emulated CPU devices) each one codes slower than
@@ -53,7 +56,7 @@ from jcomp.collectives import arguments
 from jcomp.tune.profile import CodecCost, Link, Profile, codec_name
 
 DEFAULT_CODECS = ("bf16", "int8", "int4:rot")
-DEFAULT_SIZES = (1 << 16, 1 << 20, 1 << 22)  # bytes per device
+DEFAULT_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes per device
 DEFAULT_CODEC_BYTES = 1 << 22
 CODEC_ROW = 4096  # elements per coded row: a multiple of every default block
 SLOW_CALL_S = 0.25  # a call past this (of the second size or later) ends the sizes

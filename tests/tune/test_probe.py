@@ -77,14 +77,14 @@ def _timed_link(monkeypatch, latency_s, bytes_per_s):
 
 
 @pytest.mark.parametrize("bytes_per_s, timed", [
-    (1e9, [1 << 16, 1 << 20, 1 << 22]),   # every call short: every size
-    (3e6, [1 << 16, 1 << 20]),            # 1 MiB takes 0.35 s: no 4 MiB
-    (1e5, [1 << 16, 1 << 20]),            # even 64 KiB is slow: two sizes still
+    (1e9, [1 << 16, 1 << 18, 1 << 20, 1 << 22]),  # every call short: every size
+    (3e6, [1 << 16, 1 << 18, 1 << 20]),           # 1 MiB takes 0.35 s: no 4 MiB
+    (1e5, [1 << 16, 1 << 18]),                    # even 64 KiB is slow: two sizes still
 ])
 def test_the_sizes_stop_at_the_first_slow_call_after_two(monkeypatch, bytes_per_s, timed):
     asked = _timed_link(monkeypatch, 1e-3, bytes_per_s)
     mesh = _mesh((2, 4), ("data", "tensor"))
-    prof = tune.probe(mesh, codecs=(), sizes=(1 << 16, 1 << 20, 1 << 22), repeats=3)
+    prof = tune.probe(mesh, codecs=(), repeats=3)  # the default sizes
     assert [size for size, _ in asked] == timed * 2  # data's sizes, then tensor's
     assert all(max_s == probe_module.SIZE_BUDGET_S for _, max_s in asked)
     assert str(timed) in prof.links["data"].comment
