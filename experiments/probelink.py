@@ -179,6 +179,13 @@ def report_section(data: dict) -> tuple[str, list[str]]:
         claims.append(f"The probe's link at {rate}: {statistics.median(ratio):.3f}x tc's rate, "
                       f"{min(ratio):.3f}-{max(ratio):.3f} over {len(rs)} runs: "
                       f"{'PASS' if ok else 'FAIL'} (every run within {WITHIN:.0%}).")
+    earlier = {}
+    for r in data["rows"]:
+        if r["commit"] != commit:
+            earlier.setdefault(r["commit"], []).append(r["link_over_tc"])
+    if earlier:
+        table_note = "Earlier commits in the file, probe x tc over all their runs: " + "; ".join(
+            f"{c[:7]} {min(v):.3f}-{max(v):.3f} ({len(v)} runs)" for c, v in earlier.items()) + "."
     dirty = " (tracked files differed from it)" if any(r["dirty"] for r in rows) else ""
     text = [f"Commit {commit[:7]}{dirty}; burst {rows[0]['burst']}. Two processes of "
             f"{DEVICES_PER_PROCESS} CPU devices in namespaces of their own, only the veth "
@@ -188,6 +195,8 @@ def report_section(data: dict) -> tuple[str, list[str]]:
             "medians over runs.", "",
             _table(["tc rate", "runs", "probe MB/s", "probe x tc (range)", "sizes the probe timed"]
                    + [f"psum {s >> 10} KiB x tc" for s in sizes] + ["retransmitted"], table)]
+    if earlier:
+        text += ["", table_note]
     return "\n".join(text), claims
 
 

@@ -28,3 +28,25 @@ def test_bad_arguments_are_named(capsys, argv, named):
         probelink.main(argv)
     assert e.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def _row(commit, rate, repeat, over_tc):
+    return dict(commit=commit, rate=rate, repeat=repeat, burst="128kb", dirty=False,
+                link_over_tc=over_tc, link_bytes_per_s=over_tc * 1e8 / 8,
+                comment="probe: psum over 'dcn' (n=2), sizes [65536, 262144] B/device, median of 5",
+                psum_over_tc_by_size={"262144": over_tc}, retransmitted_segments=3)
+
+
+def test_the_report_judges_every_run_of_the_newest_commit_and_names_the_earlier_ones():
+    data = {"rows": [_row("a" * 40, "100mbit", 0, 0.5)]
+            + [_row("b" * 40, "100mbit", i, x) for i, x in enumerate((0.95, 0.9, 0.97))]
+            + [_row("b" * 40, "10mbit", i, x) for i, x in enumerate((0.95, 0.84, 0.97))]}
+    text, claims = probelink.report_section(data)
+    assert "Commit bbbbbbb" in text and "aaaaaaa 0.500-0.500 (1 runs)" in text
+    assert "[65536, 262144]" in text
+    by_rate = {c.split(" at ")[1].split(":")[0]: c for c in claims}
+    assert "PASS" in by_rate["100mbit"] and "0.950x" in by_rate["100mbit"]
+    assert "FAIL" in by_rate["10mbit"]  # one run of three outside 15%
+    assert list(by_rate) == ["10mbit", "100mbit"]  # slowest first
+    assert probelink.command(data) == (
+        "python -m experiments.probelink --rates 10mbit 100mbit --repeats 3 --burst 128kb")
