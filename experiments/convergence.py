@@ -36,8 +36,9 @@ Every run is `python train.py` in a subprocess with its own workdir under
   hops      the slow hop alone (mesh.dcn_data=2): data gradients int4:rot and
             parameters int8 between the two halves of the data axis, raw
             inside each, against the same codecs over the whole data axis;
-            and hop_auto100mbit, the most coded of compression.auto's choices
-            at 100 Mbit/s on the two-hop rig (int8 inside as well).
+            and compression.auto's choices at 100 Mbit/s on the two-hop rig
+            that code more than that (hop_auto100mbit, hop_auto_param8,
+            hop_auto_act8, hop_auto_act8_param8: int8 inside as well).
             Needs a data axis of >= 4 (a fast hop of >= 2): run it with
             --set mesh.data=4 --set mesh.tensor=2 --set mesh.pipeline=1
             and an --out of its own, so that its baseline has that mesh too
@@ -268,6 +269,12 @@ def run_specs() -> list[dict]:
                      error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
     runs.append(dict(name="hop_auto_act8", suite="hops", group="main", policy="baseline",
                      overrides={"tensor.act": "int8", "tensor.act_grad": "int8", **across},
+                     error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
+    # And both at once, one of its choices with the probe of four sizes
+    # (experiments/results/network_auto_sizes4.json).
+    runs.append(dict(name="hop_auto_act8_param8", suite="hops", group="main", policy="baseline",
+                     overrides={"tensor.act": "int8", "tensor.act_grad": "int8",
+                                "data.param": "int8", **across},
                      error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
     # The outer loop across the same slow hop (jcomp/train/outer.py).
     runs.append(dict(name="hop_raw", suite="outer", group="main", policy="baseline",

@@ -12,12 +12,13 @@ gpu.json (benchmarks/gpu.py), in benchmarks/results/; every
 convergence*/summary.json (experiments/convergence.py), projection.json
 (experiments/projection.py, with its link profile), network.json
 (experiments/network.py), network_hops.json (experiments/network.py --hops),
-network_outer.json (--hops with the outer-loop policies), network_auto.json and
-network_auto_trial6.json (--hops with compression.auto), network_streaming.json
-and network_streaming_1dev.json (--hops, Streaming DiLoCo against blocking
-syncs) overlap.json (experiments/overlap.py) and probelink.json (experiments/probelink.py),
-in experiments/results/; see
-report_network.py and report_streaming.py for those and gpu.json.
+network_outer.json (--hops with the outer-loop policies), network_auto.json,
+network_auto_trial6.json and network_auto_sizes4.json (--hops with
+compression.auto), network_streaming.json and network_streaming_1dev.json
+(--hops, Streaming DiLoCo against blocking syncs), overlap.json
+(experiments/overlap.py) and probelink.json (experiments/probelink.py), in
+experiments/results/; see report_network.py, report_streaming.py and
+probelink.py for those and gpu.json.
 Every number and every PASS/FAIL in the page is computed from those files;
 only the explanatory prose is fixed text.
 
@@ -555,7 +556,7 @@ def build(results, page_dir: str) -> str:
     outer, auto = load("network_outer.json"), load("network_auto.json")
     streaming, overlap = load("network_streaming.json"), load("overlap.json")
     auto6, streaming1 = load("network_auto_trial6.json"), load("network_streaming_1dev.json")
-    probed = load("probelink.json")
+    probed, auto4 = load("probelink.json"), load("network_auto_sizes4.json")
 
     commands = [i for _, s in summaries for i in s.get("invocations", [])]
     if proj:
@@ -568,7 +569,7 @@ def build(results, page_dir: str) -> str:
         commands.append(f"python -m benchmarks.parallel --repeats {par['repeats']}")
     if net:
         commands += report_network.commands(net)
-    for rig in (hops, outer, auto6, streaming, streaming1):
+    for rig in (hops, outer, auto6, auto4, streaming, streaming1):
         if rig:
             commands += report_network.commands(rig)
     if probed:
@@ -646,6 +647,8 @@ def build(results, page_dir: str) -> str:
          "(experiments/network.py --hops, policy auto)"),
         (auto6, report_network.auto_section, "compression.auto with compression.trial=6 across "
          "a throttled link (experiments/network.py --hops, policy auto)"),
+        (auto4, report_network.auto_section, "compression.auto with the probe of four sizes "
+         "across a throttled link (experiments/network.py --hops, policy auto)"),
         (streaming, report_streaming.streaming_section, "Streaming against blocking syncs across "
          "a throttled link (experiments/network.py --hops, policies diloco_f2 and streaming)"),
         (streaming1, report_streaming.streaming_section, "Streaming against blocking syncs, one "

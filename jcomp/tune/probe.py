@@ -22,7 +22,7 @@ SLOW_CALL_S, and the calls of one size stop once together past SIZE_BUDGET_S
 On the two-process rig (tc's tbf between two network namespaces, 4 devices
 per process crossing at once) a psum's throughput fell once one call moved
 megabytes across a slow link, with TCP retransmitting: at 10 Mbit/s 0.95 of
-tc's rate at 256 KiB per device, 0.87-0.91 at 1 MiB; at 100 Mbit/s 0.95 at
+tc's rate at 256 KiB per device, 0.87-0.92 at 1 MiB; at 100 Mbit/s 0.95 at
 1 MiB, 0.87-0.89 at 4 and 8 MiB. With sizes of 64 KiB, 1 MiB and 4 MiB, the
 one or two calls of the largest put the probe's figure anywhere from 0.83 to
 0.98 of the rate. A train step's messages across such a link are far smaller
