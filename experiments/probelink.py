@@ -7,10 +7,10 @@ tc's tbf throttles (tools/netns.py Pair, burst --burst), and in each a process
 of 4 CPU devices. The two run `jcomp.tune.probe` on the mesh compression.auto
 probes for its per-hop route (mesh.dcn_data=2: 'dcn' 2 x 'data' 2 x
 'tensor' 2), and then time the 'dcn' psum alone at each of --sizes bytes per
-device (median of --calls calls after one untimed; no larger size once a call
-passes 2 s). The link figure: the probe's 'dcn' bandwidth per device times the
-4 devices of a process, which all cross at once, against tc's rate; each
-size's throughput the same way. Writes --out (one row per run, resumable: a
+device (median of --calls calls after one untimed; no larger size once a
+size's median call passes 2 s). The link figure: the probe's 'dcn' bandwidth
+per device times the 4 devices of a process, which all cross at once, against
+tc's rate; each size's throughput the same way. Writes --out (one row per run, resumable: a
 rerun skips the rows it holds at the same commit).
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ import subprocess
 import sys
 import tempfile
 
-from tools.netns import Pair, Unavailable, rate_bits, remove_stale, unavailable_reason
+from tools.netns import (Pair, Unavailable, rate_bits, remove_stale, signals_deferred,
+                         unavailable_reason)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "experiments", "results", "probelink.json")
@@ -98,10 +99,11 @@ def run(rate: str, burst: str, sizes, calls: int, port: int, timeout: float) -> 
                 cmd = [sys.executable, "-m", "experiments.probelink", "--worker", str(i),
                        f"{pair.coordinator_host}:{port}", "--calls", str(calls),
                        "--sizes", *map(str, sizes)]
-                procs.append(subprocess.Popen(pair.exec_args(cmd, process=i), cwd=ROOT, env=env,
-                                              stdout=logs[-1] if i else subprocess.PIPE,
-                                              stderr=logs[-1], text=True,
-                                              start_new_session=True))
+                with signals_deferred():  # a signal inside Popen would lose the child
+                    procs.append(subprocess.Popen(
+                        pair.exec_args(cmd, process=i), cwd=ROOT, env=env,
+                        stdout=logs[-1] if i else subprocess.PIPE, stderr=logs[-1], text=True,
+                        start_new_session=True))
             out = procs[0].communicate(timeout=timeout)[0]
             procs[1].wait(timeout=30)
         finally:
@@ -109,12 +111,13 @@ def run(rate: str, burst: str, sizes, calls: int, port: int, timeout: float) -> 
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
+        tail = ""
+        for i, log in enumerate(logs):
+            log.seek(0)
+            lines = [l for l in log.read().splitlines() if l.strip() and "Gloo" not in l]
+            tail += f" | process {i}: {' / '.join(lines[-3:])}"
+            log.close()
         if any(p.returncode for p in procs):
-            tail = ""
-            for i, log in enumerate(logs):
-                log.seek(0)
-                lines = [l for l in log.read().splitlines() if l.strip() and "Gloo" not in l]
-                tail += f" | process {i}: {' / '.join(lines[-3:])}"
             raise RuntimeError(f"exited with {[p.returncode for p in procs]}{tail}")
         after = pair.counters()
     return figures(json.loads(out.strip().splitlines()[-1]), rate, before, after)
@@ -123,7 +126,7 @@ def run(rate: str, burst: str, sizes, calls: int, port: int, timeout: float) -> 
 def figures(fig: dict, rate: str, before, after) -> dict:
     """A worker's figures with the link's: the probe's and each size's psum
     throughput across (per device x the devices of a process) against tc's
-    rate, and what the veth counters (bytes, packets, retransmissions) gained."""
+    rate, and the bytes and TCP retransmissions the veth counted meanwhile."""
     bits = rate_bits(rate)
     link = fig["bytes_per_s"] * DEVICES_PER_PROCESS
     # Over 'dcn' (n=2) a psum's wire bytes per device are its size: 2(n-1)/n.

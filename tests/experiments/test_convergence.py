@@ -203,7 +203,7 @@ def test_suites_and_bad_arguments():
 def test_the_hops_suite_codes_the_same_data_messages_on_one_hop_or_the_whole_axis():
     specs = {s["name"]: s for s in conv.select("hops")}
     assert list(specs) == ["baseline", "hop_flat", "hop_perhop", "hop_auto100mbit",
-                           "hop_auto_param8", "hop_auto_act8"]
+                           "hop_auto_param8", "hop_auto_act8", "hop_auto_act8_param8"]
     flat = conv.train_args(specs["hop_flat"], "configs/base.py", 600, 120, 60)
     perhop = conv.train_args(specs["hop_perhop"], "configs/base.py", 600, 120, 60)
     assert {"--config.compression.data.grad=int4:rot",
@@ -224,6 +224,9 @@ def test_the_hops_suite_codes_the_same_data_messages_on_one_hop_or_the_whole_axi
     assert across | {"--config.compression.tensor.act=int8",
                      "--config.compression.tensor.act_grad=int8"} <= set(act8)
     assert not any(a.startswith("--config.compression.data.") for a in act8)
+    both = conv.train_args(specs["hop_auto_act8_param8"], "configs/base.py", 600, 120, 60)
+    assert set(act8) | set(param8) <= set(both)  # both sets of codecs at once
+    assert not any(a.startswith("--config.compression.data.grad") for a in both)
 
 
 def test_set_overrides_typed_config_fields_and_names_a_bad_one():
