@@ -39,7 +39,6 @@ LONGEST_CALL_S = 2.0
 
 def worker(process_id: int, coordinator: str, sizes, calls: int) -> None:
     """One process of a run: prints its figures as one JSON line (process 0)."""
-    import functools
     import importlib
     import time
 
@@ -49,7 +48,6 @@ def worker(process_id: int, coordinator: str, sizes, calls: int) -> None:
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=2,
                                process_id=process_id)
     import jax.numpy as jnp
-    from jax import lax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jcomp import tune
@@ -59,13 +57,8 @@ def worker(process_id: int, coordinator: str, sizes, calls: int) -> None:
     t0 = time.perf_counter()
     link = tune.probe(mesh, codecs=()).links["dcn"]
     probe_s = time.perf_counter() - t0
-    all_axes = tuple(mesh.axis_names)
-
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(all_axes), out_specs=P(all_axes))
-    def reduce(x):
-        return lax.psum(x, "dcn")
-    sharding = NamedSharding(mesh, P(all_axes))
+    reduce = probe_lib._psum_program(mesh, "dcn")  # the program the probe times
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     by_size = {}
     for size in sizes:
         x = jax.jit(lambda: jnp.ones((mesh.devices.size * size // 4,), jnp.float32),
