@@ -47,8 +47,6 @@ def worker(process_id: int, coordinator: str, sizes, calls: int) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=2,
                                process_id=process_id)
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jcomp import tune
     from jcomp.gpt import mesh as mesh_lib
@@ -58,17 +56,9 @@ def worker(process_id: int, coordinator: str, sizes, calls: int) -> None:
     link = tune.probe(mesh, codecs=()).links["dcn"]
     probe_s = time.perf_counter() - t0
     reduce = probe_lib._psum_program(mesh, "dcn")  # the program the probe times
-    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     by_size = {}
     for size in sizes:
-        x = jax.jit(lambda: jnp.ones((mesh.devices.size * size // 4,), jnp.float32),
-                    out_shardings=sharding)()
-        jax.block_until_ready(reduce(x))
-        times = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            jax.block_until_ready(reduce(x))
-            times.append(time.perf_counter() - t)
+        times = probe_lib._times_s(reduce, probe_lib._ones(mesh, size), calls)
         by_size[str(size)] = times
         if statistics.median(times) > LONGEST_CALL_S:
             break

@@ -77,8 +77,8 @@ def _check_sizes(sizes, name: str):
     return tuple(sorted(set(sizes)))
 
 
-def _median_s(fn, arg, repeats: int, max_s: float = float("inf")) -> float:
-    """Median seconds of `repeats` calls after an untimed first one (the compile);
+def _times_s(fn, arg, repeats: int, max_s: float = float("inf")) -> list[float]:
+    """Seconds of each of `repeats` calls after an untimed first one (the compile);
     fewer, at least one, once the timed calls together pass max_s."""
     jax.block_until_ready(fn(arg))
     times = []
@@ -88,7 +88,19 @@ def _median_s(fn, arg, repeats: int, max_s: float = float("inf")) -> float:
         times.append(time.perf_counter() - t0)
         if sum(times) > max_s:
             break
-    return statistics.median(times)
+    return times
+
+
+def _median_s(fn, arg, repeats: int, max_s: float = float("inf")) -> float:
+    return statistics.median(_times_s(fn, arg, repeats, max_s))
+
+
+def _ones(mesh, size: int):
+    """`size` bytes of float32 ones on every device of `mesh`, made on the devices
+    so that every process holds only its own shards."""
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    return jax.jit(lambda: jnp.ones((mesh.devices.size * size // 4,), jnp.float32),
+                   out_shardings=sharding)()
 
 
 def fit_link(wire_bytes, seconds) -> tuple[float, float]:
@@ -119,15 +131,10 @@ def _psum_program(mesh, axis: str):
 
 def _probe_axis(mesh, axis: str, sizes, repeats: int) -> Link:
     n = int(mesh.shape[axis])
-    devices = mesh.devices.size
-    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     program = _psum_program(mesh, axis)
     wire, seconds = [], []
     for size in sizes:
-        elems = size // 4
-        # Made on the devices, so that every process holds only its own shards.
-        x = jax.jit(lambda: jnp.ones((devices * elems,), jnp.float32), out_shardings=sharding)()
-        seconds.append(_median_s(program, x, repeats, max_s=SIZE_BUDGET_S))
+        seconds.append(_median_s(program, _ones(mesh, size), repeats, max_s=SIZE_BUDGET_S))
         wire.append(2 * (n - 1) / n * size)
         if len(seconds) >= 2 and seconds[-1] > SLOW_CALL_S:
             break  # a slow link: its bandwidth is clear, larger sizes only cost time
