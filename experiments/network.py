@@ -108,6 +108,9 @@ POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those 
     # The preset of the commit that runs it: report_network.HYBRID_PRESETS says what
     # it was at each commit (before 3c5f7d1, the paper's recipe, now hybrid_paper).
     "hybrid": {"policy": "hybrid"},
+    # The hybrid preset within compression.auto's default budget: int8, not
+    # int4:rot, on the tensor messages (DEFAULT_LADDERS' "act" and "act_grad").
+    "hybrid_act8": {"policy": "hybrid", "tensor.act": "int8", "tensor.act_grad": "int8"},
     # The 200-step runs' best setting, which meets both targets at a quarter of the
     # bytes: the paper's recipe with int8 gradients and int4 tensor act_grad.
     "best": {"policy": "hybrid_paper", "error_feedback": "off", "data.grad": "int8",
