@@ -31,6 +31,10 @@ With compression.trial=N (N > 0) the model prunes and a short trial decides
 (N steps after one of warmup), which calibrates compute (its time less its
 predicted communication); each candidate route whose predicted step is within
 autopick.TRIAL_MARGIN of the best is then timed too, and the fastest measured is taken.
+Beside each route's decision the trial weighs its variant at the budget's most
+compressed codecs ("as given, fewest bytes"; `_fewest`): the model prices a
+codec's work apart from the compute it shares the machine with, so it can drop
+a codec the step measurably runs faster with.
 The decision's predicted step is that trial's time. It is for what the model
 cannot see: on two processes sharing CPU cores, the links' and codecs' work
 contends with compute, and the model's error (up to ~27% on the two-hop rig)
@@ -61,7 +65,7 @@ from jcomp import tune
 from jcomp.gpt import mesh as mesh_lib
 from jcomp.gpt import policy as policy_lib
 from jcomp.train import faults, stepbytes, trial
-from jcomp.train.autopick import (OUTER_ENTRY, overrides, pick_route,
+from jcomp.train.autopick import (AS_GIVEN, OUTER_ENTRY, overrides, pick_route,
                                    weigh_by_trial)
 
 UsageError = faults.UsageError
@@ -72,6 +76,7 @@ OUTER = "outer"            # the budget's key allowing an outer loop: "outer=H"
 # settings measured every 10 steps here (experiments/RESULTS.md, outer suite:
 # outer_h10_int4rot +2.16% [-0.01%, +4.34%] over 3 seeds, 78x fewer bytes across).
 OUTER_CODEC = "int4:rot"
+FEWEST = ", fewest bytes"  # a route's variant at the budget's most compressed codecs
 
 
 def settings(cfg) -> dict | None:
@@ -181,13 +186,15 @@ def load_profile(path, field: str = "compression.profile") -> tune.Profile:
 
 # ------------------------------------------------------------------ deciding
 
-def choose(run, profile: tune.Profile, budget, overlap: float, source: str) -> dict:
+def choose(run, profile: tune.Profile, budget, overlap: float, source: str,
+           by: str = "time") -> dict:
     """The decision for `run` (its uncompressed RunSpec) as a summary dict: per
     entry the codec, the link figures used, raw and coded bytes and predicted
-    seconds vs raw; the totals; and the profile itself."""
+    seconds vs raw; the totals; and the profile itself. by: tune.choose's ("bytes":
+    every entry at the most compressed codec the budget allows)."""
     msgs = stepbytes.by_entry(run)
     try:
-        d = tune.choose(profile, msgs, budget=codec_budget(budget), overlap=overlap)
+        d = tune.choose(profile, msgs, budget=codec_budget(budget), overlap=overlap, by=by)
     except (TypeError, ValueError) as e:
         raise UsageError(f"compression.profile ({source}): {str(e).splitlines()[0]}") from None
     return summarize(d, profile, budget, source)
@@ -352,29 +359,48 @@ def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict, str | None]:
     routes are weighed only with the probe (a written profile has no figures for
     a mesh it was not written for) and where `split_for` offers a split, whose
     links are probed on the split mesh: the per hop route, and an outer loop
-    across the split where the budget allows one (`outer_candidate`)."""
+    across the split where the budget allows one (`outer_candidate`). With a
+    trial, each route's fewest-bytes variant is among the others (`_fewest`)."""
     from jcomp.train.runspec import validate
     every = (s["budget"] or {}).get(OUTER)
     if s["profile"] is not None:
-        return choose(run, s["profile"], s["budget"], s["overlap"],
-                      f"profile {s['profile_path']}"), {}, _not_weighed(
+        source = f"profile {s['profile_path']}"
+        flat = choose(run, s["profile"], s["budget"], s["overlap"], source)
+        return flat, _fewest(s, AS_GIVEN, flat, run, s["profile"], source), _not_weighed(
             every, "a written profile has no figures for another mesh than the run's")
     profile = _probe(mesh)
     flat = choose(run, profile, s["budget"], s["overlap"], "probed at start")
+    fewest = _fewest(s, AS_GIVEN, flat, run, profile, "probed at start")
     k = split_for(run, jax.process_count())
     if k is None:
-        return flat, {}, _not_weighed(every, no_split(run, jax.process_count()))
+        return flat, fewest, _not_weighed(every, no_split(run, jax.process_count()))
     n = len(mesh.devices.flat)
     split_run = validate(uncompressed(with_split(cfg, k)), n)
     links = _probe(mesh_lib.make_mesh(split_run.mesh_shape, dcn_data=k), codecs=()).links
     split_profile = tune.Profile(links=links, codecs=profile.codecs,
                                  device=f"{profile.device}; per hop: mesh.dcn_data={k}")
-    others = {per_hop(k): {**choose(split_run, split_profile, s["budget"], s["overlap"],
-                                    "probed at start"), "dcn_data": k}}
+    split = {**choose(split_run, split_profile, s["budget"], s["overlap"], "probed at start"),
+             "dcn_data": k}
+    others = {**fewest, per_hop(k): split,
+              **_fewest(s, per_hop(k), split, split_run, split_profile, "probed at start")}
     outer = outer_candidate(cfg, s["budget"], s["overlap"], k, split_profile, n)
     if outer is not None:
         others[outer_name(outer)] = outer
     return flat, others, _not_weighed(every, outer is None and outer_unfit(cfg, k, every, n))
+
+
+def _fewest(s: dict, name: str, d: dict, run, profile: tune.Profile, source: str) -> dict:
+    """{name + FEWEST: the route's decision with every entry at the most compressed
+    codec the budget allows} where a trial runs and it differs from `d` (the
+    route's decision by predicted time); {} otherwise. The trial times it because
+    the model prices codecs apart from compute, which on a shared machine they
+    contend with or overlap: it can drop a codec that the step runs faster with."""
+    if not s["trial"]:
+        return {}
+    most = choose(run, profile, s["budget"], s["overlap"], source, by="bytes")
+    if overrides(most) == overrides(d):
+        return {}
+    return {name + FEWEST: {**most, **{k: d[k] for k in ("dcn_data",) if k in d}}}
 
 
 def _not_weighed(every, why) -> str | None:

@@ -13,6 +13,7 @@ config: these are the rules alone, so they can be tested on made-up figures.
 from __future__ import annotations
 
 RAW = "uncompressed"       # the trial's name for the run sending raw on the mesh as given
+AS_GIVEN = "as given"      # the decision for the mesh as given, by predicted time
 OUTER_ENTRY = "dcn.outer"  # the decision's entry for an outer loop's syncs
 # An outer loop costs loss (compression.budget's outer=H accepts it), so it is
 # taken only where it saves at least this share of the step: less is within
@@ -32,7 +33,7 @@ def overrides(summary: dict) -> dict:
 
 def _routes(flat: dict, others: dict) -> dict:
     return {name: {"seconds": d["seconds"], "links": d["profile"]["links"]}
-            for name, d in {"as given": flat, **others}.items()}
+            for name, d in {AS_GIVEN: flat, **others}.items()}
 
 
 def pick_route(flat: dict, others: dict, compute_s: float = 0.0) -> dict:
@@ -80,7 +81,7 @@ def weigh_by_trial(flat: dict, others: dict, time_of, steps: int,
     uncompressed run, not timed twice. The fastest measured is taken (a tie
     keeps the uncompressed run, then the mesh as given), an outer loop only
     where it saves OUTER_GAIN of the fastest every-step candidate's time."""
-    cands = {"as given": flat, **others}
+    cands = {AS_GIVEN: flat, **others}
     raw = as_raw(flat)
     measured = {RAW: time_of(raw)}
     compute = max(measured[RAW] - flat["raw_seconds"], 0.0)

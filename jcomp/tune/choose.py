@@ -26,6 +26,12 @@ bytes never growing along it. `budget` cuts a kind's ladder at a codec on it
 ({"grad": "int8"}: nothing beyond int8); `ladder` replaces the ladders, for
 every kind (a sequence) or per kind (a mapping), which is how a codec the
 defaults leave out is allowed.
+
+With by="bytes" each message instead takes the most compressed codec its
+ladder allows that saves bytes (a codec sending no fewer than raw is still
+never taken): the other end of what the budget allows, with its predicted
+time, for a caller that measures rather than trusts the prediction (the
+trainer's trial, jcomp.train.autopick).
 """
 from __future__ import annotations
 
@@ -184,12 +190,17 @@ def ladders(ladder=None, budget=None) -> dict:
     return out
 
 
+BY = ("time", "bytes")
+
+
 def choose(profile: Profile, messages: Mapping, ladder=None, budget=None,
-           overlap: float = 0.0) -> Decision:
+           overlap: float = 0.0, by: str = "time") -> Decision:
     """The codec per (axis, kind) of `messages` ({(axis, kind): Traffic or (raw
-    bytes per step, collectives per step)}) that minimises predicted time (module
-    doc). ladder / budget: see the module doc. overlap: the share of the link's
-    time hidden behind compute, in [0, 1]."""
+    bytes per step, collectives per step)}) that minimises predicted time, or
+    with by="bytes" the bytes sent (module doc). ladder / budget: see the module
+    doc. overlap: the share of the link's time hidden behind compute, in [0, 1]."""
+    if by not in BY:
+        raise ValueError(f"by must be one of {', '.join(map(repr, BY))}; got {by!r}")
     if not isinstance(profile, Profile):
         raise TypeError(f"profile must be a Profile; got {type(profile).__name__}")
     if not isinstance(messages, Mapping):
@@ -211,7 +222,9 @@ def choose(profile: Profile, messages: Mapping, ladder=None, budget=None,
         raw = traffic.raw_bytes
         weighed = [(c, predict(profile, axis, traffic, c, overlap)) for c in allowed[kind]
                    if c == "none" or traffic.coded_bytes(c) < raw]
-        best = min(weighed, key=lambda cs: cs[1])  # the first of equals: the mildest
+        # The first of equals: the mildest.
+        best = min(weighed, key=(lambda cs: cs[1]) if by == "time"
+                   else (lambda cs: traffic.coded_bytes(cs[0])))
         choices.append(Choice(axis, kind, best[0], traffic, best[1], weighed[0][1],
                               tuple(weighed)))
     return Decision(tuple(choices), float(overlap), profile.device)

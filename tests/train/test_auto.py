@@ -175,6 +175,43 @@ def test_a_trial_times_only_candidates_the_model_puts_within_its_margin():
     assert "routes" not in taken
 
 
+def test_a_trial_weighs_the_budgets_most_compressed_codecs_beside_the_models_pick(tmp_path):
+    path = write(tmp_path / "fast.json", FAST)
+    cfg, run = uncompressed_run(**{"compression.profile": path, "compression.trial": 3})
+    s = auto.settings(cfg)
+    flat, others, _ = auto._candidates(cfg, s, run, mesh=None)
+    assert set(auto.overrides(flat).values()) == {"none"}  # the model: raw on a fast link
+    name = autopick.AS_GIVEN + auto.FEWEST
+    assert list(others) == [name]
+    most = auto.overrides(others[name])
+    assert most["data.grad"] == "int4:rot" and most["data.param"] == "int8"
+    assert {most[e] for e in ("tensor.act", "tensor.act_grad")} == {"int8"}
+    assert others[name]["seconds"] > flat["seconds"]  # slower, by the model
+
+    # Measured, it steps fastest: the trial takes it, and the run trains with it.
+    def time_of(d):
+        return 0.8 if auto.overrides(d) == most else 1.0
+    taken = autopick.weigh_by_trial(flat, others, time_of, 3)
+    assert taken["trial"]["taken"] == name and taken["step_s"] == 0.8
+    assert set(taken["trial"]["measured_s"]) == {autopick.RAW, name}  # raw as given: one run
+    final = runspec.validate(auto.with_policy(cfg, taken), 8)
+    for entry, codec in most.items():
+        assert str(final.policy[tuple(entry.split("."))]) == codec
+
+    # The budget caps it; where it is the model's pick already, nothing more is timed;
+    # without a trial the model alone decides and no variant is weighed.
+    capped = auto.settings(tiny_config(**{"compression.auto": "on", "compression.profile": path,
+                                          "compression.trial": 3, "compression.budget":
+                                          "grad=int8,act=none,act_grad=none"}))
+    _, others, _ = auto._candidates(cfg, capped, run, mesh=None)
+    assert set(auto.overrides(others[name]).values()) == {"int8", "none"}
+    slow = auto.settings(tiny_config(**{"compression.auto": "on", "compression.trial": 3,
+                                        "compression.profile": write(tmp_path / "slow.json",
+                                                                     SLOW)}))
+    assert auto._candidates(cfg, slow, run, mesh=None)[1] == {}
+    assert auto._candidates(cfg, {**s, "trial": 0}, run, mesh=None)[1] == {}
+
+
 def _outer_allowed(budget="outer=10", dcn_bytes_per_s=1e5):
     cfg, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "train.steps": 40})
     split_run = runspec.validate(auto.uncompressed(auto.with_split(cfg, 2)), 8)

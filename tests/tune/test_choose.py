@@ -57,6 +57,29 @@ def test_a_fast_link_sends_raw_and_a_slow_one_the_most_compressed_allowed():
     assert d.codec_dict("grad", axes="dcn") == {"dcn": "int4:rot"}
 
 
+def test_by_bytes_takes_the_most_compressed_codec_allowed_even_on_a_fast_link():
+    msgs = {("ici", "grad"): (64e6, 1), ("ici", "act"): (8e6, 10), ("ici", "param"): (1e6, 1)}
+    fast = _profile(ici=FAST)
+    assert set(tune.choose(fast, msgs).codec_dict("grad").values()) == {"none"}
+    most = tune.choose(fast, msgs, by="bytes")
+    assert [most.codec("ici", k) for k in ("grad", "act", "param")] == [
+        tune.DEFAULT_LADDERS[k][-1] for k in ("grad", "act", "param")]
+    # Each choice keeps its predicted time, which is slower than raw here.
+    assert most.seconds > most.raw_seconds
+    assert tune.choose(fast, msgs, budget={"grad": "bf16"}, by="bytes").codec("ici", "grad") \
+        == "bf16"
+    # On rows of one element int8's and int4:rot's scales outweigh what they save:
+    # the fewest bytes are bf16's, and a param ladder cut at int8 sends raw.
+    short = Traffic(raw_bytes=64.0, collectives=1, row=1)
+    assert tune.choose(fast, {("ici", "grad"): short}, by="bytes").codec("ici", "grad") \
+        == "bf16"
+    assert tune.choose(fast, {("ici", "param"): short}, budget={"param": "int8"},
+                       ladder={"param": ("none", "int8")}, by="bytes").codec("ici", "param") \
+        == "none"
+    with pytest.raises(ValueError, match="by must be one of 'time', 'bytes'; got 'size'"):
+        tune.choose(fast, msgs, by="size")
+
+
 @pytest.mark.parametrize("overlap", [0.0, 0.5, 0.9])
 def test_predicted_times_are_the_formula(overlap):
     raw, n = 32e6, 3
