@@ -262,7 +262,8 @@ def test_an_allowed_outer_loop_that_is_not_weighed_says_why_in_the_table():
     a mesh with no split to make, or a run that cannot take the loop each gives
     its reason in the decision, which the table prints."""
     cfg, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
-    s = {"profile": FAST, "profile_path": "fast.json", "budget": {"outer": 10}, "overlap": 0.0}
+    s = {"profile": FAST, "profile_path": "fast.json", "budget": {"outer": 10}, "overlap": 0.0,
+         "trial": 0}
     flat, others, note = auto._candidates(cfg, s, run, mesh=None)
     assert others == {} and note == ("no outer loop weighed (compression.budget allows "
                                      "outer=10): a written profile has no figures for another "
