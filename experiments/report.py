@@ -13,8 +13,8 @@ convergence*/summary.json (experiments/convergence.py), projection.json
 (experiments/projection.py, with its link profile), network.json
 (experiments/network.py), network_hops.json (experiments/network.py --hops),
 network_outer.json (--hops with the outer-loop policies), network_auto.json,
-network_auto_trial6.json and network_auto_sizes4.json (--hops with
-compression.auto), network_streaming.json and network_streaming_1dev.json
+network_auto_trial6.json, network_auto_sizes4.json, network_auto_act8.json and
+network_auto_fewest.json (--hops with compression.auto), network_streaming.json and network_streaming_1dev.json
 (--hops, Streaming DiLoCo against blocking syncs), overlap.json
 (experiments/overlap.py) and probelink.json (experiments/probelink.py), in
 experiments/results/; see report_network.py, report_streaming.py and
@@ -557,6 +557,7 @@ def build(results, page_dir: str) -> str:
     streaming, overlap = load("network_streaming.json"), load("overlap.json")
     auto6, streaming1 = load("network_auto_trial6.json"), load("network_streaming_1dev.json")
     probed, auto4 = load("probelink.json"), load("network_auto_sizes4.json")
+    act8, fewest = load("network_auto_act8.json"), load("network_auto_fewest.json")
 
     commands = [i for _, s in summaries for i in s.get("invocations", [])]
     if proj:
@@ -569,7 +570,7 @@ def build(results, page_dir: str) -> str:
         commands.append(f"python -m benchmarks.parallel --repeats {par['repeats']}")
     if net:
         commands += report_network.commands(net)
-    for rig in (hops, outer, auto6, auto4, streaming, streaming1):
+    for rig in (hops, outer, auto6, auto4, act8, fewest, streaming, streaming1):
         if rig:
             commands += report_network.commands(rig)
     if probed:
@@ -649,6 +650,10 @@ def build(results, page_dir: str) -> str:
          "a throttled link (experiments/network.py --hops, policy auto)"),
         (auto4, report_network.auto_section, "compression.auto with the probe of four sizes "
          "across a throttled link (experiments/network.py --hops, policy auto)"),
+        (act8, report_network.auto_section, "compression.auto beside the hybrid preset with "
+         "int8 tensor messages, 30-step runs at 100 Mbit/s (experiments/network.py --hops)"),
+        (fewest, report_network.auto_section, "compression.auto whose trial also weighs each "
+         "route's fewest bytes, 30-step runs (experiments/network.py --hops, policy auto)"),
         (streaming, report_streaming.streaming_section, "Streaming against blocking syncs across "
          "a throttled link (experiments/network.py --hops, policies diloco_f2 and streaming)"),
         (streaming1, report_streaming.streaming_section, "Streaming against blocking syncs, one "

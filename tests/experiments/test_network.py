@@ -474,6 +474,32 @@ def test_the_auto_section_checks_auto_against_the_fastest_and_its_prediction():
     assert "| 0.880 | 0.98 | 0.50 |" in line  # predicted, its ratio, the model's ratio
 
 
+def test_the_auto_section_shows_other_policies_and_a_trials_fewest_bytes_choice():
+    def row(policy, step, repeat, auto=None):
+        settings = dict(procs=2, config="configs/base.py", warmup_steps=2, hops=True,
+                        set={"mesh.data": "4"}, kind="sweep", rate="100mbit", policy=policy,
+                        steps=30, eval_every=30, repeat=repeat)
+        return dict(settings=settings, commit="abc1234def", date=f"2026-12-05T0{repeat}",
+                    median_step_s=step, **({"auto": auto} if auto else {}))
+
+    taken = "as given, fewest bytes"
+    decision = {"codecs": {"data.grad": "int4:rot", "tensor.act": "int8"}, "dcn_data": 1,
+                "predicted_s": 0.1, "predicted_raw_s": 0.4, "trial_step_s": 0.38,
+                "trial": {"taken": taken, "predicted_s": {taken: 0.45}}}
+    rows = []
+    for i in range(3):  # no baseline: hybrid_act8, not a rival, is shown beside them
+        rows += [row("hybrid", 0.42, i), row("hybrid_perhop", 0.40, i),
+                 row("hybrid_act8", 0.37, i), row("auto", 0.39, i, decision)]
+    text, [claim] = rep.auto_section({"rows": rows, "warm_steps": 2})
+    assert "| hybrid_act8 s |" in text
+    line = next(l for l in text.splitlines() if l.startswith("| 100mbit"))
+    assert "| n/a | 0.420 | 0.400 | 0.370 | 0.390 |" in line, line
+    # Weighed against the rivals only (0.39 / 0.40), and it says no baseline ran.
+    assert "0.975x the fastest of hybrid, hybrid_perhop (hybrid_perhop" in claim
+    assert "no baseline run: PASS" in claim
+    assert "chose flat, fewest bytes: data.grad=int4:rot, tensor.act=int8" in claim
+
+
 def test_the_hops_section_compares_per_hop_with_flat_hybrid_side_by_side():
     def row(policy, step, link, slow=None, repeat=0):
         settings = dict(procs=2, config="configs/base.py", warmup_steps=2, hops=True,
