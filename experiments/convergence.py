@@ -276,6 +276,15 @@ def run_specs() -> list[dict]:
                      overrides={"tensor.act": "int8", "tensor.act_grad": "int8",
                                 "data.param": "int8", **across},
                      error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
+    # Each route at compression.auto's most compressed default codecs, which its
+    # trial now weighs ("as given, fewest bytes" and "per hop (...), fewest
+    # bytes"; experiments/results/network_auto_fewest.json).
+    act8 = {"tensor.act": "int8", "tensor.act_grad": "int8"}
+    runs.append(dict(name="hop_flat_act8", suite="hops", group="main", policy="baseline",
+                     overrides={**flat, **act8}, error_feedback="off"))
+    runs.append(dict(name="hop_perhop_fewest", suite="hops", group="main", policy="baseline",
+                     overrides={**flat, **act8, **across}, error_feedback="off",
+                     extra=("--config.mesh.dcn_data=2",)))
     # The outer loop across the same slow hop (jcomp/train/outer.py).
     runs.append(dict(name="hop_raw", suite="outer", group="main", policy="baseline",
                      overrides={}, error_feedback="off", extra=("--config.mesh.dcn_data=2",)))

@@ -203,7 +203,8 @@ def test_suites_and_bad_arguments():
 def test_the_hops_suite_codes_the_same_data_messages_on_one_hop_or_the_whole_axis():
     specs = {s["name"]: s for s in conv.select("hops")}
     assert list(specs) == ["baseline", "hop_flat", "hop_perhop", "hop_auto100mbit",
-                           "hop_auto_param8", "hop_auto_act8", "hop_auto_act8_param8"]
+                           "hop_auto_param8", "hop_auto_act8", "hop_auto_act8_param8",
+                           "hop_flat_act8", "hop_perhop_fewest"]
     flat = conv.train_args(specs["hop_flat"], "configs/base.py", 600, 120, 60)
     perhop = conv.train_args(specs["hop_perhop"], "configs/base.py", 600, 120, 60)
     assert {"--config.compression.data.grad=int4:rot",
@@ -227,6 +228,12 @@ def test_the_hops_suite_codes_the_same_data_messages_on_one_hop_or_the_whole_axi
     both = conv.train_args(specs["hop_auto_act8_param8"], "configs/base.py", 600, 120, 60)
     assert set(act8) | set(param8) <= set(both)  # both sets of codecs at once
     assert not any(a.startswith("--config.compression.data.grad") for a in both)
+    # Each route at the default budget's most compressed codecs.
+    flat8 = conv.train_args(specs["hop_flat_act8"], "configs/base.py", 600, 120, 60)
+    fewest = conv.train_args(specs["hop_perhop_fewest"], "configs/base.py", 600, 120, 60)
+    tensor8 = {"--config.compression.tensor.act=int8", "--config.compression.tensor.act_grad=int8"}
+    assert set(flat) | tensor8 <= set(flat8) and "--config.mesh.dcn_data=2" not in flat8
+    assert set(flat) | tensor8 | across <= set(fewest)
 
 
 def test_set_overrides_typed_config_fields_and_names_a_bad_one():
