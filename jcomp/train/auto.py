@@ -508,6 +508,9 @@ def table(summary: dict) -> str:
                      "compression.budget's outer=H)")
     elif summary.get("dcn_data", 1) > 1:
         lines.append(f"  route taken: per hop, mesh.dcn_data={summary['dcn_data']}")
+    if (summary.get("trial") or {}).get("taken", "").endswith(FEWEST):
+        lines.append("  codecs taken: the budget's most compressed on that route, timed "
+                     "fastest in the trial")
     if summary.get("not_weighed"):
         lines.append(f"  {summary['not_weighed']}")
     lines.append(f"  predicted communication per step: {now * 1e3:.4g} ms vs {raw * 1e3:.4g} ms "

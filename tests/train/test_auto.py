@@ -194,6 +194,8 @@ def test_a_trial_weighs_the_budgets_most_compressed_codecs_beside_the_models_pic
     taken = autopick.weigh_by_trial(flat, others, time_of, 3)
     assert taken["trial"]["taken"] == name and taken["step_s"] == 0.8
     assert set(taken["trial"]["measured_s"]) == {autopick.RAW, name}  # raw as given: one run
+    assert "codecs taken: the budget's most compressed on that route" in auto.table(taken)
+    assert "codecs taken" not in auto.table(flat)
     final = runspec.validate(auto.with_policy(cfg, taken), 8)
     for entry, codec in most.items():
         assert str(final.policy[tuple(entry.split("."))]) == codec
