@@ -16,8 +16,8 @@ over 2 devices encodes 1.5 B and decodes 2 B),
 
 `overlap` is the share of the link's time hidden behind compute; the codec's
 time runs on the device and is not hidden. "none" (r = 1, c' = c, no codec
-time) is always a candidate, so a choice is never predicted slower than
-sending raw; a codec that sends no fewer bytes than raw at this row length is
+time) is always a candidate, so a choice (by time) is never predicted slower
+than sending raw; a codec that sends no fewer bytes than raw at this row length is
 never chosen (the collectives would send raw anyway). Ties go to the milder
 codec, the earlier on the ladder.
 
