@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from jcomp.train import checkpoint
+
 pytestmark = pytest.mark.e2e  # every test here runs train.py in a subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -402,8 +404,12 @@ def test_a_lost_peer_ends_the_survivor_in_one_line_and_the_rerun_resumes_bitwise
     try:
         deadline = time.monotonic() + 300
         path = os.path.join(workdir, "metrics.jsonl")
+        # The save of step 4 commits in the background: on a loaded machine it can
+        # end after step 5, so the kill waits for its marker too.
+        saved = os.path.join(workdir, "checkpoints", "4", checkpoint.COMMIT_MARKER)
         while time.monotonic() < deadline and procs[1].poll() is None:
-            if os.path.exists(path) and max(losses(workdir), default=0) >= 5:
+            if (os.path.exists(path) and max(losses(workdir), default=0) >= 5
+                    and os.path.exists(saved)):
                 break
             time.sleep(0.1)
         procs[1].kill()
