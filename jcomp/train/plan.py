@@ -20,13 +20,14 @@ import math
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def _config(path: str):
     if not os.path.isfile(path):
         raise ValueError(f"--config={path}: no such file")
-    sys.path.insert(0, ROOT)  # configs/ import configs.base
+    # A config imports its siblings as `configs.base`: the folder above the
+    # config's own makes that import work from an installed wheel too, where the
+    # package's location says nothing about where the configs are.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(path))))
     spec = importlib.util.spec_from_file_location("_plan_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
