@@ -53,7 +53,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jcomp.collectives import arguments
-from jcomp.tune.profile import CodecCost, Link, Profile, codec_name
+from jcomp.tune.profile import BYTES_PER_S, CodecCost, Link, Profile, codec_name
 
 DEFAULT_CODECS = ("bf16", "int8", "int4:rot")
 DEFAULT_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes per device
@@ -140,7 +140,8 @@ def _probe_axis(mesh, axis: str, sizes, repeats: int) -> Link:
             break  # a slow link: its bandwidth is clear, larger sizes only cost time
     sizes = sizes[:len(seconds)]
     latency, s_per_byte = fit_link(wire, seconds)
-    if s_per_byte <= 0:
+    # A slope too flat for any real link is the same failure as none at all.
+    if s_per_byte * BYTES_PER_S[1] < 1:
         raise ValueError(
             f"probe: over mesh axis {axis!r} the psum took no longer at {max(sizes)} bytes than "
             f"at {min(sizes)} ({[f'{s:.3g}' for s in seconds]} s): no bandwidth to fit; pass "

@@ -13,8 +13,9 @@ all-gather's (n-1)/n x output, ...), so `bytes_per_s` is the bus bandwidth of
 NCCL's tests. A `CodecCost` is the device time a codec spends per byte of
 uncompressed input: encoding it, and decoding it back. Codec names are the
 canonical specs of jcomp.codecs ("int4:rot", "bf16"); "none" costs nothing and
-is never listed. Every figure must be finite; a ValueError names the field and
-what it may hold. `comment` fields say what a figure rests on and travel with
+is never listed. Every figure must be finite and within physical bounds
+(`LATENCY_S`, `BYTES_PER_S`, `CODEC_S_PER_BYTE`); a ValueError names the field
+and what it may hold. `comment` fields say what a figure rests on and travel with
 it through JSON.
 """
 from __future__ import annotations
@@ -26,11 +27,26 @@ from typing import Any, Mapping
 
 from jcomp.collectives import arguments
 
-def _number(value, where: str, *, positive: bool) -> float:
-    allowed = "a finite number > 0" if positive else "a finite number >= 0"
+# What a figure may hold. A finite figure far outside these (a bandwidth of
+# 5e-324 B/s, a latency of 1e308 s) prices a step at inf or nan, which the
+# decision, the table and the metrics would carry on; the bounds are wide
+# enough for any real machine.
+# A collective's fixed cost: 0 to a minute (no run trains over a link slower
+# to answer).
+LATENCY_S = (0.0, 60.0)
+# Bus bytes per second per device: 1 kB/s (below any modem) to 1 PB/s (over
+# 500x NVLink 5's 1.8 TB/s).
+BYTES_PER_S = (1e3, 1e15)
+# Device seconds per byte coded: 0 (free) to 1 ms per byte (1 kB/s of coding).
+CODEC_S_PER_BYTE = (0.0, 1e-3)
+
+
+def _number(value, where: str, bounds: tuple[float, float], unit: str) -> float:
+    lo, hi = bounds
+    allowed = f"a number in [{lo:g}, {hi:g}] ({unit})"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{where} must be {allowed}; got {value!r}")
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+    if not (math.isfinite(value) and lo <= value <= hi):
         raise ValueError(f"{where} must be {allowed}; got {value!r}")
     return float(value)
 
@@ -60,8 +76,9 @@ class Link:
     comment: str = ""
 
     def __post_init__(self):
-        _number(self.latency_s, "Link.latency_s", positive=False)
-        _number(self.bytes_per_s, "Link.bytes_per_s", positive=True)
+        _number(self.latency_s, "Link.latency_s", LATENCY_S, "seconds per collective")
+        _number(self.bytes_per_s, "Link.bytes_per_s", BYTES_PER_S,
+                "bus bytes per second per device")
         _text(self.comment, "Link.comment")
 
     def seconds(self, wire_bytes: float, collectives: float) -> float:
@@ -78,8 +95,10 @@ class CodecCost:
     comment: str = ""
 
     def __post_init__(self):
-        _number(self.encode_s_per_byte, "CodecCost.encode_s_per_byte", positive=False)
-        _number(self.decode_s_per_byte, "CodecCost.decode_s_per_byte", positive=False)
+        _number(self.encode_s_per_byte, "CodecCost.encode_s_per_byte", CODEC_S_PER_BYTE,
+                "device seconds per uncompressed byte")
+        _number(self.decode_s_per_byte, "CodecCost.decode_s_per_byte", CODEC_S_PER_BYTE,
+                "device seconds per uncompressed byte")
         _text(self.comment, "CodecCost.comment")
 
     @property

@@ -59,6 +59,32 @@ def test_bad_figures_are_refused_naming_the_field(make, field):
         make()
 
 
+@pytest.mark.parametrize("make, field, allowed", [
+    (lambda: Link(1e-5, 5e-324), "Link.bytes_per_s", "[1000, 1e+15]"),
+    (lambda: Link(1e-5, 2e15), "Link.bytes_per_s", "[1000, 1e+15]"),
+    (lambda: Link(1e308, 1e9), "Link.latency_s", "[0, 60]"),
+    (lambda: CodecCost(1e308, 1e-12), "CodecCost.encode_s_per_byte", "[0, 0.001]"),
+    (lambda: CodecCost(1e-12, 1.0), "CodecCost.decode_s_per_byte", "[0, 0.001]"),
+])
+def test_finite_but_absurd_figures_are_refused_naming_the_field_and_range(make, field, allowed):
+    """Finite figures no link or codec can have would price a step at inf or nan."""
+    with pytest.raises(ValueError) as e:
+        make()
+    assert str(e.value).startswith(f"{field} must be a number in {allowed}"), str(e.value)
+
+
+def test_a_profile_file_with_absurd_figures_is_refused_on_load(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text('{"device": "d", "links": {"data": {"latency_s": 1e308, '
+                    '"bytes_per_s": 5e-324}}, "codecs": {}}')
+    with pytest.raises(ValueError, match=r"^profile.links\['data'\]: Link.latency_s must be"):
+        tune.load(path)
+
+
+def test_the_bounds_admit_every_real_link_and_codec():
+    Link(0.0, 1e3), Link(60.0, 1e15), CodecCost(0.0, 1e-3)
+
+
 def test_a_figure_that_is_no_number_is_a_type_error():
     with pytest.raises(TypeError, match="bytes_per_s"):
         Link(1e-5, "fast")
