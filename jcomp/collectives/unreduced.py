@@ -77,39 +77,64 @@ def value_and_grad(loss_fn, mesh, data_axes, has_aux, codec, scatter, rows, buck
 def _grad_of_marked(value_and_grad_of, params, specs, wanted, batch):
     """-> (the batch axes each leaf was marked reduced over, value_and_grad's
     result). JAX 0.10.2 refuses an elementwise op between a value reduced over
-    an axis and one split over it (a bias or norm scale added to the batch's
-    activations: ShardingTypeError); matmuls and gathers take it. So all leaves
-    are marked first, then the matrices only, then none; the leaves left
-    unmarked are reduced by JAX in full precision, as the plain program does,
-    and a RawSendWarning names them."""
+    an axis and one split over it (a norm scale multiplied into the batch's
+    activations, a position table added to them: ShardingTypeError); matmuls
+    and gathers take it. One such leaf fails the whole trace, so the leaves
+    that can stay unreduced are found by trial: all of them; else every leaf
+    of two or more dimensions, the vectors (scales, biases: few bytes) left to
+    JAX; else those matrices added group by group, a group that fails split in
+    halves down to the single leaves that fail (a few traces per such leaf).
+    The leaves left unmarked are reduced by JAX in full precision, as the
+    plain program does, and a RawSendWarning names them."""
     leaves, treedef = jax.tree.flatten(params)
-    tries = [wanted, [w if jnp.ndim(x) >= 2 else () for x, w in zip(leaves, wanted)],
-             [()] * len(leaves)]
-    error = None
-    for i, marks in enumerate(tries):
-        if i and marks == tries[i - 1]:
-            continue
+    errors = []
+
+    def attempt(marks):
         marked = [jax.reshard(x, P(*s.partitions, reduced=set(axes) | set(s.reduced)))
                   if axes else x for x, s, axes in zip(leaves, specs, marks)]
         try:
-            result = value_and_grad_of(treedef.unflatten(marked), batch)
+            return value_and_grad_of(treedef.unflatten(marked), batch)
         except Exception as e:  # noqa: BLE001  (only JAX's sharding type error is retried)
-            if type(e).__name__ != "ShardingTypeError" or i == len(tries) - 1:
+            if type(e).__name__ != "ShardingTypeError":
                 raise
-            error = e
-            continue
-        if error is not None:
-            paths = [jax.tree_util.keystr(p) for p, _ in
-                     jax.tree_util.tree_flatten_with_path(params)[0]]
-            raw = [p for p, w, m in zip(paths, wanted, marks) if w and not m]
-            reason = str(error).strip().splitlines()[0]
-            warnings.warn(ops.RawSendWarning(
-                f"cc.value_and_grad: {len(raw)} gradient(s) reduced raw by JAX, as the plain "
-                f"program does ({', '.join(raw[:6])}{', ...' if len(raw) > 6 else ''}): "
-                f"JAX cannot keep them unreduced where the loss combines them elementwise "
-                f"with batch-split values ({reason})"), stacklevel=4)
-        return marks, result
-    raise AssertionError("unreachable")
+            errors.append(e)
+            return None
+
+    def _marks(chosen):
+        return [w if i in chosen else () for i, w in enumerate(wanted)]
+
+    every = {i for i, w in enumerate(wanted) if w}
+    matrices = {i for i in every if jnp.ndim(leaves[i]) >= 2}
+    result = attempt(_marks(every))
+    chosen = every
+    if result is None and matrices != every:
+        chosen = matrices
+        result = attempt(_marks(chosen))
+    if result is None:
+        chosen = set()
+        pending = [sorted(matrices)]
+        while pending:  # grow the set that traces; split a group that does not
+            group = pending.pop(0)
+            got = attempt(_marks(chosen | set(group)))
+            if got is not None:
+                chosen |= set(group)
+                result = got  # chosen only grows, so the last success is the final set's
+            elif len(group) > 1:
+                pending[:0] = [group[: len(group) // 2], group[len(group) // 2:]]
+        if not chosen:  # nothing marked is the plain program: its errors are the user's
+            result = value_and_grad_of(params, batch)
+    marks = _marks(chosen)
+    if errors:
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(params)[0]]
+        raw = [p for i, p in enumerate(paths) if wanted[i] and i not in chosen]
+        reason = str(errors[0]).strip().splitlines()[0]
+        warnings.warn(ops.RawSendWarning(
+            f"cc.value_and_grad: {len(raw)} gradient(s) reduced raw by JAX, as the plain "
+            f"program does ({', '.join(raw[:6])}{', ...' if len(raw) > 6 else ''}): "
+            f"JAX cannot keep them unreduced where the loss combines them elementwise "
+            f"with batch-split values ({reason})"), stacklevel=4)
+    return marks, result
 
 
 def _agree(mesh, data_axes, params, param_specs, rules, specs):
