@@ -47,6 +47,14 @@ def check_floating(x, codec):
                 f"{jnp.result_type(leaf)} (send integer and boolean leaves with codec='none')")
 
 
+def check_bool(name: str, value) -> bool:
+    """A flag must be a bool: a string such as "False" is truthy and would turn
+    the flag on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {value!r}")
+    return value
+
+
 def axes_of(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 

@@ -126,6 +126,7 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
     carry their shardings; given, param_specs must agree with them)."""
     data_axes = arguments.axes_of(data_axes)
     _check_mesh(mesh, data_axes)
+    arguments.check_bool("check_bytes", check_bytes)
     explicit = _explicit(mesh, data_axes)
     if mean_over is None and not explicit:
         raise TypeError("value_and_grad() needs mean_over= on a mesh of Auto batch axes: "

@@ -352,3 +352,10 @@ def test_a_codec_that_draws_runs_with_a_tensor_axis():
             for name in specs:
                 a, b = np.asarray(plain[name]), np.asarray(grads[name])
                 assert 0 < np.abs(a - b).max() <= 0.02 * np.abs(a).max()
+
+
+@pytest.mark.parametrize("flag", ["False", 0, None])
+def test_check_bytes_takes_only_a_bool(mesh, flag):
+    """check_bytes="False" is a truthy string: it turned the check on."""
+    with pytest.raises(TypeError, match=r"check_bytes must be True or False; got"):
+        cc.value_and_grad(js.loss_fn, mesh=mesh, mean_over="examples", check_bytes=flag)
