@@ -11,12 +11,15 @@ would then interleave the two.
 Flax's boxes (`nn.Partitioned`, `nn.LogicallyPartitioned`) are read by duck
 typing (`unbox`, `get_partition_spec`), and so are Flax NNX's Variables
 (`nnx.Param` with `nnx.with_partitioning`: `get_metadata()`, its `out_sharding`),
-so this module needs only jax.
+so this module needs only jax. Plain arrays (Equinox's, or a dict of arrays)
+give their own `NamedSharding`'s spec where it can be read: outside `jax.jit`,
+or inside it on Explicit axes.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp.collectives import arguments
@@ -125,7 +128,7 @@ def nnx_spec(var, rules):
     return P(*(table[n] if isinstance(n, str) and n in table else n for n in names))
 
 
-def leaf_specs(params, param_specs, rules):
+def leaf_specs(params, param_specs, rules, mesh=None, data_axes=()):
     """One mesh PartitionSpec per array leaf of `params`, in `jax.tree.leaves`
     order (boxes and NNX Variables flattened to their one array).
     `param_specs`: a tree of PartitionSpecs with the parameters' structure (linen
@@ -133,11 +136,12 @@ def leaf_specs(params, param_specs, rules):
     them from flax's linen boxes and NNX Variables' metadata; `rules`: logical
     axis rules, where the specs (given or read) name logical axes. Leaves that
     carry no partition names are replicated (P()), as flax's get_partition_spec
-    reads them."""
+    reads them; plain arrays on `mesh` give their own sharding's spec
+    (`array_spec`)."""
     box_def = jax.tree.structure(params, is_leaf=is_box)
     boxes = box_def.flatten_up_to(params)
     if param_specs is None:
-        return _read_specs(params, rules)
+        return _read_specs(params, rules, mesh, data_axes)
     try:
         specs = box_def.flatten_up_to(param_specs)
     except (TypeError, ValueError):
@@ -160,11 +164,35 @@ def _one_array(node, what, allow_none=False):
     return n
 
 
-def _read_specs(params, rules):
+def _same_mesh(a, b) -> bool:
+    return (tuple(a.axis_names) == tuple(b.axis_names) and a.devices.shape == b.devices.shape
+            and [d.id for d in a.devices.flat] == [d.id for d in b.devices.flat])
+
+
+def array_spec(x, mesh):
+    """The spec of a plain array's own layout on `mesh` (a jax.Array's or a
+    ShapeDtypeStruct's NamedSharding; P() for one replicated, or a numpy
+    array), or None where it cannot be read: a value traced inside `jax.jit`
+    carries in its type only the Explicit axes of its sharding, so on a mesh
+    with an Auto axis of size > 1 its layout is not known there."""
+    if isinstance(x, jax.core.Tracer):
+        sharding = jax.typeof(x).sharding
+        hidden = [a for a, t, n in zip(mesh.axis_names, mesh.axis_types, mesh.devices.shape)
+                  if n > 1 and t != AxisType.Explicit]
+        return None if hidden or not isinstance(sharding, NamedSharding) else sharding.spec
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        return P()
+    if isinstance(sharding, NamedSharding) and _same_mesh(sharding.mesh, mesh):
+        return sharding.spec
+    return P() if getattr(sharding, "is_fully_replicated", False) else None
+
+
+def _read_specs(params, rules, mesh=None, data_axes=()):
     """leaf_specs without param_specs: linen boxes' names (logical ones through
     `rules`, or the boxes' own rules, by linen's logical_to_mesh), NNX Variables'
-    metadata (through `rules` and their sharding_rules, as NNX maps them), P() for
-    the rest."""
+    metadata (through `rules` and their sharding_rules, as NNX maps them), plain
+    arrays' own shardings on `mesh` (`array_spec`), P() for the rest."""
     nodes = jax.tree.leaves(params, is_leaf=lambda x: is_box(x) or is_nnx_variable(x))
     boxes = [b for b in nodes if is_box(b)]
     box_rules = rules if rules is not None else next(
@@ -173,7 +201,8 @@ def _read_specs(params, rules):
         raise ValueError("the parameters carry logical axis names "
                          "(nn.LogicallyPartitioned): pass rules=, as given to "
                          "nn.logical_axis_rules")
-    out = []
+    flax = any(is_box(n) or is_nnx_variable(n) for n in nodes)
+    out, unread = [], 0
     for node in nodes:
         if is_box(node):
             _one_array(node, "a parameter box")
@@ -184,7 +213,21 @@ def _read_specs(params, rules):
             out.extend([nnx_spec(node, rules)] * _one_array(node, "an NNX Variable",
                                                               allow_none=True))
         else:
-            out.append(P())
+            spec = None if mesh is None else array_spec(node, mesh)
+            unread += spec is None
+            out.append(P() if spec is None else spec)
+    # A flax tree's unboxed leaves are replicated by the model's own say; plain
+    # arrays traced on a mesh they could be split over would otherwise come
+    # back replicated without a word.
+    other = [a for a, n in zip(mesh.axis_names, mesh.devices.shape)
+             if n > 1 and a not in data_axes] if mesh is not None else []
+    if unread and not flax and other:
+        raise ValueError(
+            f"param_specs=None reads flax boxes, NNX Variables, or a plain array's own "
+            f"NamedSharding, which {unread} parameter(s) traced inside jax.jit do not "
+            f"carry on the Auto axes {other}; pass param_specs= (outside jit: "
+            "jax.tree.map(lambda x: x.sharding.spec, params); all replicated: "
+            "jax.tree.map(lambda x: P(), params))")
     return out
 
 
@@ -192,7 +235,7 @@ def check(mesh, data_axes, params, param_specs, rules=None):
     """-> one mesh PartitionSpec per array leaf, checked against the mesh and the
     leaves' ranks; a dimension may not mix the batch axes with others."""
     named = jax.tree_util.tree_flatten_with_path(params)[0]
-    specs = leaf_specs(params, param_specs, rules)
+    specs = leaf_specs(params, param_specs, rules, mesh, data_axes)
     for (path, leaf), spec in zip(named, specs):
         where = f"param_specs{jax.tree_util.keystr(path)}"
         if not isinstance(spec, P):
