@@ -1,13 +1,15 @@
 """Input pipeline: corpora from a source (`jcomp.train.sources`), a stable train/val
 split, tokenizers, and batches.
 
-Everything is plain numpy, needs no network and caches nothing on disk.
+Everything is plain numpy (JAX only to read a sharding's rows), needs no network
+and caches nothing on disk.
 
   corpus = load("kjv", val_permille=50)                 # Corpus(train, val, vocab_size, ...)
   ds = Dataset(corpus.train, seq_len=256, global_batch=32, seed=0,
                vocab_size=corpus.vocab_size)
   x_BxL1 = ds.batch(step)                               # int32 [B, seq_len + 1]
   x_PxL1 = ds.local_batch(step, process_index, process_count)
+  x_RxL1 = ds.process_batch(step, sharding)            # the rows this process's devices hold
   meta = ds.state(step)   ...   step = ds.restore(meta)  # exact resume
 
 A batch is a pure function of (tokens, seq_len, global_batch, seed, step), so a
@@ -209,6 +211,37 @@ def shard_rows(global_batch: int, index: int, count: int) -> tuple[int, int]:
     return index * per, (index + 1) * per
 
 
+def process_rows(sharding, global_shape, devices=None) -> np.ndarray:
+    """int64 [R]: the rows (first dimension) of an array of `global_shape` laid out
+    by `sharding` that `devices` hold (default: this process's addressable
+    devices), sorted, each once.
+
+    These are the rows `jax.make_array_from_process_local_data(sharding, x,
+    global_shape)` expects in x, in this order. They follow from the sharding, not
+    from the process count: where a data rank's devices span several processes
+    (a tensor or pipeline axis crossing nodes), each of them holds that rank's
+    whole share, and where a process holds several ranks, it holds all of theirs.
+    """
+    import jax  # here only: the rest of this module is plain numpy
+
+    if not isinstance(sharding, jax.sharding.Sharding):
+        raise TypeError(f"sharding must be a jax.sharding.Sharding; got {type(sharding).__name__}")
+    if (not isinstance(global_shape, (tuple, list)) or not global_shape
+            or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
+                   for n in global_shape)):
+        raise ValueError(f"global_shape must be a non-empty tuple of positive ints; got {global_shape!r}")
+    shape = tuple(int(n) for n in global_shape)
+    mine = sharding.addressable_devices if devices is None else set(devices)
+    held = [index for dev, index in sharding.devices_indices_map(shape).items() if dev in mine]
+    if not held:
+        raise ValueError(f"devices hold no part of the array: none of {sorted(map(str, mine))} "
+                         "is in the sharding's mesh")
+    rows = set()
+    for index in held:
+        rows.update(range(*index[0].indices(shape[0])))
+    return np.fromiter(sorted(rows), dtype=np.int64, count=len(rows))
+
+
 class Dataset:
     """Deterministic batches of `seq_len + 1` tokens from a 1-D token array.
 
@@ -239,6 +272,7 @@ class Dataset:
         self.num_windows = (tokens.size - 1) // self.seq_len
         self._epochs: dict[int, tuple[int, np.ndarray]] = {}
         self._fingerprint: Optional[str] = None
+        self._process_rows: dict = {}
 
     @property
     def steps_per_epoch(self) -> float:
@@ -256,10 +290,20 @@ class Dataset:
 
     def rows(self, step: int, start: int, stop: int) -> np.ndarray:
         """int32 [stop - start, seq_len + 1]: rows [start, stop) of the batch of `step`."""
-        step = _check_int(step, "step", 0)
         if not 0 <= start <= stop <= self.global_batch:
             raise ValueError(f"rows [{start}, {stop}) are outside the global batch of {self.global_batch}")
-        g = step * self.global_batch + np.arange(start, stop, dtype=np.int64)
+        return self.take(step, np.arange(start, stop, dtype=np.int64))
+
+    def take(self, step: int, rows) -> np.ndarray:
+        """int32 [len(rows), seq_len + 1]: the given rows of the batch of `step`, in order."""
+        step = _check_int(step, "step", 0)
+        rows = np.asarray(rows)
+        if rows.ndim != 1 or not (rows.size == 0 or np.issubdtype(rows.dtype, np.integer)):
+            raise TypeError(f"rows must be a 1-D sequence of ints; got {rows.dtype}{rows.shape}")
+        if rows.size and not (0 <= rows.min() and rows.max() < self.global_batch):
+            raise ValueError(f"rows {rows.min()}..{rows.max()} are outside the global batch "
+                             f"of {self.global_batch}")
+        g = step * self.global_batch + rows.astype(np.int64)
         epochs, k = np.divmod(g, self.num_windows)
         starts = np.empty_like(g)
         for e in np.unique(epochs):
@@ -277,8 +321,22 @@ class Dataset:
         return self.rows(step, 0, self.global_batch)
 
     def local_batch(self, step: int, process_index: int, process_count: int) -> np.ndarray:
-        """int32 [global_batch / process_count, seq_len + 1]: this process's contiguous rows."""
+        """int32 [global_batch / process_count, seq_len + 1]: equal contiguous shares,
+        share `process_index` of `process_count`. Right only where every process
+        holds whole data ranks of its own; `process_batch` is right for any mesh."""
         return self.rows(step, *shard_rows(self.global_batch, process_index, process_count))
+
+    def process_batch(self, step: int, sharding) -> np.ndarray:
+        """int32 [R, seq_len + 1]: the rows of the batch of `step` that this process's
+        devices hold under `sharding` (`process_rows`), for
+        `jax.make_array_from_process_local_data`."""
+        return self.take(step, self._rows_for(sharding))
+
+    def _rows_for(self, sharding) -> np.ndarray:
+        key = sharding  # the rows depend on the sharding only: computed once a run
+        if key not in self._process_rows:
+            self._process_rows[key] = process_rows(sharding, (self.global_batch, self.seq_len + 1))
+        return self._process_rows[key]
 
     def iterate(self, start_step: int = 0, process_index: int = 0, process_count: int = 1) -> Iterator[np.ndarray]:
         """Endless local batches of steps start_step, start_step + 1, ..."""
@@ -317,9 +375,17 @@ class Dataset:
 
 def val_batches(tokens: np.ndarray, seq_len: int, global_batch: int, num_batches: int,
                 process_index: int = 0, process_count: int = 1,
-                vocab_size: Optional[int] = None) -> list[np.ndarray]:
-    """The fixed validation set: num_batches local int32 [global_batch / process_count,
-    seq_len + 1] batches, the same for every run whatever its training seed."""
+                vocab_size: Optional[int] = None, *, sharding=None) -> list[np.ndarray]:
+    """The fixed validation set, the same for every run whatever its training seed:
+    num_batches local int32 batches, each [global_batch / process_count, seq_len + 1]
+    (share `process_index`, as `Dataset.local_batch`) or, given `sharding`, the
+    rows this process's devices hold under it (as `Dataset.process_batch`)."""
     ds = Dataset(tokens, seq_len, global_batch, _EVAL_SEED, vocab_size)
     count = _check_int(num_batches, "num_batches", 1)
-    return [ds.local_batch(s, process_index, process_count) for s in range(count)]
+    if sharding is None:
+        return [ds.local_batch(s, process_index, process_count) for s in range(count)]
+    if (process_index, process_count) != (0, 1):
+        raise ValueError("val_batches takes either process_index and process_count or sharding, "
+                         f"not both; got process_index={process_index}, "
+                         f"process_count={process_count} and a sharding")
+    return [ds.process_batch(s, sharding) for s in range(count)]

@@ -29,6 +29,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from jcomp.train import auto as auto_lib
 from jcomp.train import checkpoint, cluster, data, faults, resume, record as steprecord
@@ -40,6 +41,7 @@ from jcomp.train import outerconfig, outerdelay
 from jcomp.train import profiler as profiler_lib
 from jcomp.train import traffic
 from jcomp.gpt import schedule as schedule_lib
+from jcomp.gpt import sharding as sharding_lib
 from jcomp.gpt import step as step_lib
 from jcomp.train.runspec import RunSpec, validate
 from jcomp.train.stepcache import StepCache, global_batch
@@ -57,8 +59,10 @@ class NonFiniteError(RuntimeError):
     """Training stopped on a non-finite loss or gradient (train.nonfinite="stop")."""
 
 
-def load_data(run: RunSpec):
-    """-> (corpus, training Dataset, this process's validation batches)."""
+def load_data(run: RunSpec, rows_sharding=None):
+    """-> (corpus, training Dataset, this process's validation batches: the rows its
+    devices hold under `rows_sharding` (`batch_sharding(mesh)`), or without one an
+    equal share per process)."""
     d, vocab = run.data, run.model.vocab_size
     try:
         corpus = data.load(d.source, val_permille=d.val_permille, tokenizer=d.tokenizer,
@@ -68,12 +72,25 @@ def load_data(run: RunSpec):
                              f"model.vocab_size={vocab}")
         train = data.Dataset(corpus.train, d.seq_len, run.train.batch_size, seed=run.seed,
                              vocab_size=vocab)
-        val = data.val_batches(corpus.val, d.seq_len, run.train.batch_size, d.eval_batches,
-                               jax.process_index(), jax.process_count(),
-                               vocab_size=vocab) if len(corpus.val) else []
+        val = _val_batches(run, corpus, rows_sharding)
     except (OSError, ValueError, ImportError) as e:
         raise UsageError(f"data.source={d.source!r}: {e}") from None
     return corpus, train, val
+
+
+def _val_batches(run: RunSpec, corpus, rows_sharding) -> list:
+    if not len(corpus.val):
+        return []
+    where = ({"sharding": rows_sharding} if rows_sharding is not None else
+             {"process_index": jax.process_index(), "process_count": jax.process_count()})
+    return data.val_batches(corpus.val, run.data.seq_len, run.train.batch_size,
+                            run.data.eval_batches, vocab_size=run.model.vocab_size, **where)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """How `global_batch` lays a batch out on `mesh`: which rows each process loads
+    (`data.Dataset.process_batch`), whichever mesh axes cross processes."""
+    return NamedSharding(mesh, sharding_lib.batch_spec(sharding_lib.data_axes(mesh)))
 
 
 def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None,
@@ -108,13 +125,16 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     run = validate(auto_lib.uncompressed(cfg) if auto else cfg, len(jax.devices()))
     faults.check_workdir(workdir)
     mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
-    _, train_ds, val = load_data(run)  # the data is the same whatever auto chooses
+    # The data is the same whatever auto chooses; which rows a process loads is not.
+    corpus, train_ds, val = load_data(run, batch_sharding(mesh))
     decision = None  # compression.auto's summary: printed, logged and checkpointed
     if auto:
-        rows = train_ds.local_batch(0, jax.process_index(), jax.process_count())
+        rows = train_ds.process_batch(0, batch_sharding(mesh))
         run, decision = auto_lib.decide(cfg, auto, run, mesh, workdir, rows=rows)
         if run.mesh_split() != mesh.shape.get(mesh_lib.DCN, 1):  # auto took the per-hop route
             mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
+            val = _val_batches(run, corpus, batch_sharding(mesh))
+    rows_sharding = batch_sharding(mesh)
     tx = run.optim.tx(run.train.steps)
     make_params = resume.init_params(run)
     shapes = jax.eval_shape(make_params)
@@ -163,7 +183,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
         for i in range(start.step, t.steps):
             done = i + 1
             ckpt.poll()  # a failed background save stops the run here
-            rows = train_ds.local_batch(i, jax.process_index(), jax.process_count())
+            rows = train_ds.process_batch(i, rows_sharding)
             rows = hooks.before_batch(done, rows, run.model.vocab_size)
             batch = global_batch(mesh, rows, t.batch_size)
             phase = schedule_lib.phase_at(run.phases, i)

@@ -5,10 +5,12 @@ import importlib.metadata
 import json
 import sys
 
+import jax
 import numpy as np
 import pytest
 
-from jcomp.train import data, sources
+from jcomp.gpt import mesh as mesh_lib
+from jcomp.train import data, loop, sources
 
 
 def _arange_dataset(num_tokens, seq_len, global_batch, seed=0):
@@ -264,6 +266,58 @@ def test_process_with_two_data_ranks_takes_their_union():
     start, _ = data.shard_rows(8, 2, 4)
     _, stop = data.shard_rows(8, 3, 4)
     np.testing.assert_array_equal(ds.rows(3, start, stop), ds.local_batch(3, 1, 2))
+
+
+def _process_devices(count):
+    """The 8 devices as `count` processes would hold them: contiguous runs of the
+    device order, as jax.devices() lists a cluster's devices, process by process."""
+    devices = jax.devices()
+    per = len(devices) // count
+    return [devices[k * per:(k + 1) * per] for k in range(count)]
+
+
+@pytest.mark.parametrize("shape, count, want", [
+    # Each data rank spans two processes (pipeline crosses them): both load its rows.
+    ((2, 2, 2), 4, [range(0, 4), range(0, 4), range(4, 8), range(4, 8)]),
+    ((2, 2, 2), 2, [range(0, 4), range(4, 8)]),
+    ((4, 2, 1), 4, [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]),
+    ((2, 4, 1), 4, [range(0, 4), range(0, 4), range(4, 8), range(4, 8)]),  # tensor crosses
+    ((1, 4, 2), 2, [range(0, 8), range(0, 8)]),  # one data rank: every process loads it all
+    ((8, 1, 1), 2, [range(0, 4), range(4, 8)]),
+])
+def test_process_rows_are_the_rows_the_process_devices_hold(shape, count, want):
+    sharding = loop.batch_sharding(mesh_lib.make_mesh(shape))
+    for k, devices in enumerate(_process_devices(count)):
+        rows = data.process_rows(sharding, (8, 33), devices)
+        assert rows.dtype == np.int64 and list(rows) == list(want[k]), (k, rows)
+
+
+def test_process_batch_takes_the_sharding_rows_of_the_global_batch():
+    ds = _arange_dataset(5000, seq_len=8, global_batch=8)
+    sharding = loop.batch_sharding(mesh_lib.make_mesh((2, 2, 2)))
+    np.testing.assert_array_equal(ds.process_batch(5, sharding), ds.batch(5))  # one process
+    np.testing.assert_array_equal(ds.take(5, [4, 5, 6, 7]), ds.local_batch(5, 1, 2))
+    np.testing.assert_array_equal(ds.take(5, [1, 6]), ds.batch(5)[[1, 6]])
+    with pytest.raises(ValueError, match="outside the global batch of 8"):
+        ds.take(0, [7, 8])
+    with pytest.raises(TypeError, match="rows must be a 1-D sequence of ints"):
+        ds.take(0, [[1]])
+
+
+def test_process_rows_argument_errors():
+    sharding = loop.batch_sharding(mesh_lib.make_mesh((2, 2, 2), jax.devices()[:8]))
+    with pytest.raises(TypeError, match="sharding must be a jax.sharding.Sharding"):
+        data.process_rows("data", (8, 33))
+    with pytest.raises(ValueError, match="global_shape"):
+        data.process_rows(sharding, 8)
+    small = mesh_lib.make_mesh((1, 1, 1), jax.devices()[:1])
+    with pytest.raises(ValueError, match="devices hold no part"):
+        data.process_rows(loop.batch_sharding(small), (8, 33), jax.devices()[1:2])
+    val = np.arange(2000, dtype=np.uint16) % 256
+    with pytest.raises(ValueError, match="either process_index and process_count or sharding"):
+        data.val_batches(val, 8, 8, 1, 1, 2, sharding=sharding)
+    rows = data.val_batches(val, 8, 8, 2, sharding=sharding)
+    np.testing.assert_array_equal(rows[1], data.val_batches(val, 8, 8, 2)[1])
 
 
 def test_resume_sees_the_same_batches():
