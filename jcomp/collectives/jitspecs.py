@@ -13,9 +13,12 @@ typing (`unbox`, `get_partition_spec`), and so are Flax NNX's Variables
 (`nnx.Param` with `nnx.with_partitioning`: `get_metadata()`, its `out_sharding`),
 so this module needs only jax. Plain arrays (Equinox's, or a dict of arrays)
 give their own `NamedSharding`'s spec where it can be read: outside `jax.jit`,
-or inside it on Explicit axes.
+or inside it on Explicit axes; traced on Auto axes they are taken as
+replicated, with a warning.
 """
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -218,16 +221,18 @@ def _read_specs(params, rules, mesh=None, data_axes=()):
             out.append(P() if spec is None else spec)
     # A flax tree's unboxed leaves are replicated by the model's own say; plain
     # arrays traced on a mesh they could be split over would otherwise come
-    # back replicated without a word.
+    # back replicated without a word. A warning, not an error: a small
+    # replicated parameter (a probe, a bias) is a fair thing to pass this way.
     other = [a for a, n in zip(mesh.axis_names, mesh.devices.shape)
              if n > 1 and a not in data_axes] if mesh is not None else []
     if unread and not flax and other:
-        raise ValueError(
+        warnings.warn(
             f"param_specs=None reads flax boxes, NNX Variables, or a plain array's own "
             f"NamedSharding, which {unread} parameter(s) traced inside jax.jit do not "
-            f"carry on the Auto axes {other}; pass param_specs= (outside jit: "
-            "jax.tree.map(lambda x: x.sharding.spec, params); all replicated: "
-            "jax.tree.map(lambda x: P(), params))")
+            f"carry on the Auto axes {other}: they are taken as replicated, and so are "
+            "their gradients. Pass param_specs= (outside jit: jax.tree.map(lambda x: "
+            "x.sharding.spec, params); all replicated: jax.tree.map(lambda x: P(), "
+            "params))", UserWarning, stacklevel=arguments.caller_level())
     return out
 
 

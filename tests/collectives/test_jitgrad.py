@@ -361,11 +361,11 @@ def test_check_bytes_takes_only_a_bool(mesh, flag):
         cc.value_and_grad(js.loss_fn, mesh=mesh, mean_over="examples", check_bytes=flag)
 
 
-def test_param_specs_none_on_traced_plain_arrays_is_refused():
+def test_param_specs_none_on_traced_plain_arrays_warns():
     """Plain arrays (no flax box, no NNX Variable) traced inside jax.jit carry no
-    Auto axis in their types: with param_specs=None they were taken as
-    replicated, and their gradients came back P() without a word. Now a
-    ValueError says what to pass; the arrays' own specs, read outside jit, give
+    Auto axis in their types: with param_specs=None they are taken as
+    replicated, and their gradients came back P() without a word. Now a warning
+    says so and what to pass; the arrays' own specs, read outside jit, give
     gradients in the parameters' layout."""
     from tests.collectives import tp_mlp
 
@@ -373,8 +373,9 @@ def test_param_specs_none_on_traced_plain_arrays_is_refused():
     vg = lambda **kw: cc.value_and_grad(tp_mlp.loss, mesh=mesh, mean_over="examples",
                                         check_bytes=False, **kw)
     with jax.set_mesh(mesh):
-        with pytest.raises(ValueError, match=r"param_specs=None .* 2 parameter\(s\) traced "
-                                             r"inside jax.jit .* Auto axes \['model'\]"):
+        with pytest.warns(UserWarning, match=r"param_specs=None .* 2 parameter\(s\) traced "
+                                             r"inside jax.jit .* Auto axes \['model'\]: they "
+                                             r"are taken as replicated"):
             jax.jit(vg()).lower(params, x)
         own = jax.tree.map(lambda a: a.sharding.spec, params)
         grads = jax.jit(vg(param_specs=own))(params, x)[1]
