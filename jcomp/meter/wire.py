@@ -326,8 +326,26 @@ def from_text(text: str, mesh) -> WireReport:
     return WireReport(collectives, notes)
 
 
+def _jax_stage(stage, cls, attr: str, what: str):
+    """The jax.stages object behind `stage`: Equinox's filter_jit gives its own
+    Lowered and Compiled, each holding jax's in an attribute (`lowered`,
+    `compiled`), with an `as_text` that takes no dialect or none at all."""
+    if isinstance(stage, cls):
+        return stage
+    inner = getattr(stage, attr, None)
+    if isinstance(inner, cls):
+        return inner
+    if hasattr(stage, "as_text"):  # a stand-in that prints HLO text
+        return stage
+    raise TypeError(f"{what} must be a jax.stages.{cls.__name__} (jax.jit(f).lower(...)"
+                    f"{'.compile()' if attr == 'compiled' else ''}) or hold one as "
+                    f".{attr}; got {type(stage).__name__}")
+
+
 def measure_compiled(compiled, mesh) -> WireReport:
-    """WireReport of an already compiled program (`jax.jit(f).lower(...).compile()`)."""
+    """WireReport of an already compiled program (`jax.jit(f).lower(...).compile()`,
+    or Equinox's `eqx.filter_jit(f).lower(...).compile()`)."""
+    compiled = _jax_stage(compiled, jax.stages.Compiled, "compiled", "compiled")
     return from_text(compiled.as_text(), mesh)
 
 
@@ -373,10 +391,12 @@ def widening_note(pre_text: str, compiled_text: str, platform: str) -> str | Non
 
 
 def measure(fn, *args, mesh, **kwargs) -> WireReport:
-    """Compile `fn(*args, **kwargs)` (jitting it unless it has `.lower`) and meter its traffic."""
+    """Compile `fn(*args, **kwargs)` (jitting it unless it has `.lower`: a
+    `jax.jit` or `eqx.filter_jit` function) and meter its traffic."""
     _mesh_shape(mesh)  # reject a bad mesh before compiling
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    lowered = jitted.lower(*args, **kwargs)
+    lowered = _jax_stage(jitted.lower(*args, **kwargs), jax.stages.Lowered, "lowered",
+                         "fn.lower(...)")
     compiled = lowered.compile()
     report = measure_compiled(compiled, mesh)
     platform = mesh.devices.flat[0].platform

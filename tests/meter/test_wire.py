@@ -464,3 +464,44 @@ def test_text_must_be_str_and_have_entry():
         wire.parse_collectives(b"HloModule m", MESH)
     with pytest.raises(ValueError, match="ENTRY"):
         wire.parse_collectives("%f (a: f32[]) -> f32[] {\n  ROOT %a = f32[] parameter(0)\n}\n", MESH)
+
+
+class _Lowered:
+    """Equinox's filter_jit stages, as they are shaped: jax's object in an
+    attribute, an as_text() that takes no dialect, a Compiled without as_text."""
+
+    def __init__(self, lowered):
+        self.lowered = lowered
+
+    def as_text(self):
+        return self.lowered.as_text()
+
+    def compile(self):
+        return _Compiled(self.lowered.compile())
+
+
+class _Compiled:
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+
+class _Wrapped:
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def lower(self, *args):
+        return _Lowered(self.jitted.lower(*args))
+
+
+def test_a_wrapper_holding_jax_stages_is_metered(mesh, x_8D):
+    """eqx.filter_jit's lower() gave an object whose as_text takes no dialect and
+    whose compile() has no as_text (AttributeError: 'Compiled' object has no
+    attribute 'as_text'); the jax stages they hold are read instead."""
+    f = jax.jit(jax.shard_map(lambda a: lax.psum(a, "data"), mesh=mesh, in_specs=ALL,
+                              out_specs=ALL))
+    want = wire.measure(f, x_8D, mesh=mesh).by_axis()
+    assert wire.measure(_Wrapped(f), x_8D, mesh=mesh).by_axis() == want == {"data": 4096.0}
+    compiled = _Wrapped(f).lower(x_8D).compile()
+    assert wire.measure_compiled(compiled, mesh).by_axis() == want
+    with pytest.raises(TypeError, match=r"compiled must be a jax.stages.Compiled .* \.compiled"):
+        wire.measure_compiled(object(), mesh)
