@@ -205,6 +205,15 @@ def choose(profile: Profile, messages: Mapping, ladder=None, budget=None,
         raise TypeError(f"profile must be a Profile; got {type(profile).__name__}")
     if not isinstance(messages, Mapping):
         raise TypeError(f"messages must map (axis, kind) to Traffic; got {messages!r}")
+    if not messages:
+        # A plain jit step's gradient reduction is XLA's and carries no message
+        # name, so messages_from on its report finds nothing to plan.
+        raise ValueError(
+            "messages is empty: nothing to choose a codec for. For a jax.jit step pass "
+            "tune.messages_from_grads(params, param_specs, mesh=mesh, data_axes=...) (its "
+            "gradient reduction over the batch axes); for code sent under "
+            "wire.message_scope, tune.messages_from(report, kinds); or by hand "
+            "{(axis, kind): (raw bytes per step, collectives per step)}")
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not (
             math.isfinite(overlap) and 0.0 <= overlap <= 1.0):
         raise ValueError(f"overlap must be a number in [0, 1] (the share of link time hidden "

@@ -4,6 +4,7 @@ makes of it.
     Traffic(raw_bytes=64e6, collectives=1)                # a float32 gradient reduce
     Traffic(raw_bytes=8e6, collectives=96, op="all-reduce", row=4096)   # activations
     messages_from(report, kinds={"grad_reduce": "grad", "block_exit": "act"})
+    messages_from_grads(params, specs, mesh=mesh, data_axes="data")   # a jax.jit step
 
 `raw_bytes` counts as jcomp.meter.wire does: bytes per device per step of the
 uncompressed program (an all-reduce's 2(n-1)/n x its buffer), so that one
@@ -18,10 +19,12 @@ import dataclasses
 import math
 from typing import Mapping
 
+import jax
 import jax.numpy as jnp
 
 from jcomp import codecs as _codecs
-from jcomp.collectives import arguments
+from jcomp.collectives import arguments, jitspecs
+from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
 
 # Collectives a coded message needs per raw one. A coded all-reduce is an
 # all_to_all of coded chunks and an all_gather of the coded sums (kernels'
@@ -147,3 +150,62 @@ def messages_from(report, kinds: Mapping[str, str] | None = None) -> dict:
                              "floating-point type a codec can code")
         out[key] = Traffic(raw_bytes=t["bytes"], collectives=t["n"], dtype=dtype, op=op)
     return out
+
+
+def messages_from_grads(params, param_specs=None, *, mesh, data_axes="data", rules=None) -> dict:
+    """{(data axis, "grad" or "param"): Traffic} of a `jax.jit` step's gradient
+    reduction over its batch axes, computed from the parameters' shapes, dtypes
+    and specs: what `cc.value_and_grad(..., data_axes=data_axes)` codes, and what
+    the plain program's reduction (the one XLA inserts) moves over those axes.
+
+    params: arrays or jax.ShapeDtypeStructs (flax boxes and NNX Variables as
+    cc.value_and_grad takes them); param_specs, rules: as cc.value_and_grad's,
+    None reading boxes, NNX metadata or the arrays' own NamedShardings. Per leaf,
+    with G its bytes per device over the other axes: split over batch axes S
+    (FSDP), a reduce-scatter of G over S ("grad") and a gather of it ("param"),
+    (n_S - 1)/n_S x G each; replicated over batch axes F, an all-reduce of
+    G / n_S over F, 2(n_F - 1)/n_F of it. A collective over several axes counts
+    on each, as jcomp.meter.wire's by_mesh_axis does. Collectives: leaves
+    reduced over the same axes share buckets of cc.value_and_grad's size.
+    The scalar loss's reduction is left out (no codec is meant for it)."""
+    data_axes = arguments.axes_of(data_axes)
+    if not hasattr(mesh, "axis_names") or not hasattr(mesh, "devices"):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+    for a in data_axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"data_axes: {a!r} is not an axis of the mesh {mesh.axis_names}")
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    specs = jitspecs.check(mesh, data_axes, params, param_specs, rules)
+    groups: dict = {}  # (kind, op, axes, dtype) -> [bytes a device sends, buffer bytes]
+    for leaf, spec in zip(jax.tree.leaves(params), specs):
+        dtype = jnp.dtype(leaf.dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            continue
+        held = jitspecs.axes_in(spec)
+        other = math.prod(sizes[a] for a in held if a not in data_axes)
+        local = math.prod(leaf.shape) * dtype.itemsize / other
+        split = tuple(a for a in data_axes if a in held and sizes[a] > 1)
+        free = tuple(a for a in data_axes if a not in held and sizes[a] > 1)
+        n_s, n_f = math.prod(sizes[a] for a in split), math.prod(sizes[a] for a in free)
+        sends = []
+        if split:
+            sends += [("grad", "reduce-scatter", split, (n_s - 1) / n_s * local),
+                      ("param", "all-gather", split, (n_s - 1) / n_s * local)]
+        if free:
+            sends.append(("grad", "all-reduce", free, 2 * (n_f - 1) / n_f * local / n_s))
+        for kind, op, axes, b in sends:
+            g = groups.setdefault((kind, op, axes, dtype.name), [0.0, 0.0])
+            g[0] += b
+            g[1] += local / (n_s if op == "all-reduce" else 1)
+    totals: dict = {}
+    for (kind, op, axes, dtype), (sent, buffer) in groups.items():
+        n = math.prod(sizes[a] for a in axes)
+        calls = max(1, math.ceil(buffer / DEFAULT_BUCKET_BYTES))
+        for axis in axes:
+            t = totals.setdefault((axis, kind), {"bytes": 0.0, "n": 0, "heavy": (-1.0,)})
+            t["bytes"] += sent
+            t["n"] += calls
+            if sent > t["heavy"][0]:
+                t["heavy"] = (sent, dtype, op, n)
+    return {key: Traffic(raw_bytes=t["bytes"], collectives=t["n"], dtype=t["heavy"][1],
+                         op=t["heavy"][2], n=t["heavy"][3]) for key, t in totals.items()}
