@@ -19,6 +19,7 @@ import importlib.util
 import math
 import os
 import sys
+import traceback
 
 
 def _config(path: str):
@@ -28,10 +29,32 @@ def _config(path: str):
     # config's own makes that import work from an installed wheel too, where the
     # package's location says nothing about where the configs are.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(path))))
-    spec = importlib.util.spec_from_file_location("_plan_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    try:
+        spec = importlib.util.spec_from_file_location("_plan_config", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        cfg = module.get_config()
+    except Exception as e:  # noqa: BLE001  (the config file's own code may raise anything)
+        raise ValueError(f"--config={path}: {_raised_by(e, path)}") from None
+    import ml_collections
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        got = "None (a missing return statement?)" if cfg is None else type(cfg).__name__
+        raise ValueError(f"--config={path}: get_config() returned {got}, not a ConfigDict")
+    return cfg
+
+
+def _raised_by(e: BaseException, path: str) -> str:
+    """What went wrong inside the config file, in train.py's words for it."""
+    path = os.path.abspath(path)
+    if isinstance(e, SyntaxError) and e.filename and os.path.abspath(e.filename) == path:
+        return f"{type(e).__name__} at line {e.lineno}: {e.msg}"
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if os.path.abspath(f.filename) == path]
+    if not frames:
+        return f"{type(e).__name__}: {e}"
+    f = frames[-1]
+    raiser = f"{f.name}() raised" if f.name != "<module>" else "raised"
+    return f"{raiser} {type(e).__name__}: {e} (line {f.lineno})"
 
 
 def _mesh(cfg, text: str):
@@ -89,9 +112,26 @@ def _h(n):
     return human(n)
 
 
+# The most devices a plan resolves a config for: over ten times the largest
+# GPU clusters built. Sizes derived from more only make every count slower.
+MAX_DEVICES = 1 << 20
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line (its usage text makes several)."""
+
+    def error(self, message):
+        sys.exit(_error(message))
+
+
+def _error(message: str) -> int:
+    print(f"plan: error: {message.splitlines()[0] if message else 'bad input'}",
+          file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jcomp.train.plan",
-                                description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m jcomp.train.plan", description=__doc__.splitlines()[0])
     p.add_argument("--profile", required=True, help="a profile JSON (jcomp.tune.save)")
     p.add_argument("--config", required=True, help="a trainer config file, e.g. configs/neox20b.py")
     p.add_argument("--devices", type=int, default=192)
@@ -103,8 +143,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # shapes only: no accelerator is used
     try:
         from jcomp.train import auto
-        if args.devices < 1:
-            raise ValueError(f"--devices={args.devices}; allowed: >= 1")
+        if not 1 <= args.devices <= MAX_DEVICES:
+            raise ValueError(f"--devices={args.devices}; allowed: 1 to {MAX_DEVICES}")
         profile = auto.load_profile(args.profile, "--profile")
         cfg = _config(args.config)
         _mesh(cfg, args.mesh)
@@ -114,9 +154,7 @@ def main(argv=None) -> int:
                                      else args.overlap)
         text = plan_text(cfg, profile, args.devices, budget, overlap)
     except (ValueError, TypeError, OSError) as e:
-        print(f"plan: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
-              file=sys.stderr)
-        return 2
+        return _error(str(e) or type(e).__name__)
     print(text)
     return 0
 

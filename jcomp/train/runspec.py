@@ -15,6 +15,7 @@ the last phase's plan), never a policy or a codec spec string.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -343,14 +344,25 @@ def validate(cfg, n_devices: int) -> RunSpec:
 
 def _check_dcn_data(dcn_data, data: int):
     """mesh.dcn_data: a positive integer dividing mesh.data (1: no split)."""
-    divisors = [str(k) for k in range(1, data + 1) if data % k == 0]
-    listed = ", ".join(divisors[:-1]) + (" or " if len(divisors) > 1 else "") + divisors[-1]
-    allowed = (f"allowed: a divisor of mesh.data={data}, {listed} (1: no split; k > 1 splits "
-               "the data axis into k slow-hop groups)")
     if isinstance(dcn_data, bool) or not isinstance(dcn_data, (int, np.integer)) or dcn_data < 1:
-        raise UsageError(f"mesh.dcn_data={dcn_data!r}; {allowed}")
+        raise UsageError(f"mesh.dcn_data={dcn_data!r}; {_dcn_allowed(data)}")
     if data % dcn_data:
-        raise UsageError(f"mesh.dcn_data={dcn_data} does not divide mesh.data={data}; {allowed}")
+        raise UsageError(f"mesh.dcn_data={dcn_data} does not divide mesh.data={data}; "
+                         f"{_dcn_allowed(data)}")
+
+
+def _dcn_allowed(data: int, shown: int = 8) -> str:
+    # Built for a refusal only, from divisors up to the square root: mesh.data
+    # may be huge where a plan resolves a config for many devices.
+    small = [k for k in range(1, math.isqrt(data) + 1) if data % k == 0]
+    divisors = small + [data // k for k in reversed(small) if k * k != data]
+    names = [str(k) for k in divisors]
+    if len(names) > shown + 1:
+        listed = f"{', '.join(names[:shown])}, ... or {names[-1]} ({len(names)} in all)"
+    else:
+        listed = ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
+    return (f"allowed: a divisor of mesh.data={data}, {listed} (1: no split; k > 1 splits "
+            "the data axis into k slow-hop groups)")
 
 
 def _check_fragments(outer, model_cfg, pol):

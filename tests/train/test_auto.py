@@ -469,6 +469,42 @@ def test_plan_cli_bad_profile_is_one_line_exit_2(tmp_path):
     assert "latency_s" in r.stderr
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("args,named", [
+    (["--devices=1000000000000000"], "--devices=1000000000000000; allowed: 1 to 1048576"),
+    (["--devices=0"], "--devices=0; allowed: 1 to 1048576"),
+    (["--devices=abc"], "argument --devices: invalid int value: 'abc'"),
+    (["--overlap"], "argument --overlap: expected one argument"),
+    (["--no-such-flag=1"], "unrecognized arguments: --no-such-flag=1"),
+])
+def test_plan_cli_bad_arguments_are_one_line_exit_2(args, named):
+    r = _cli("-m", "jcomp.train.plan", f"--profile={H100}", "--config=configs/neox20b.py",
+             *args, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"plan: error: {named}"), r.stderr
+    missing = _cli("-m", "jcomp.train.plan", f"--profile={H100}", timeout=60)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert missing.stderr.startswith("plan: error: the following arguments are required: "
+                                     "--config"), missing.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("text,named", [
+    ("def get_config(:\n", "SyntaxError at line 1"),
+    ("def get_config():\n    return undefined_name\n",
+     "get_config() raised NameError: name 'undefined_name' is not defined (line 2)"),
+    ("def get_config():\n    return None\n",
+     "get_config() returned None (a missing return statement?), not a ConfigDict"),
+])
+def test_plan_cli_broken_config_file_is_one_line_exit_2(tmp_path, text, named):
+    bad = tmp_path / "broken.py"
+    bad.write_text(text)
+    r = _cli("-m", "jcomp.train.plan", f"--profile={H100}", f"--config={bad}", timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"plan: error: --config={bad}: {named}"), r.stderr
+
+
 # ------------------------------------------------------------------ train.py
 
 TINY = ["--config=configs/tiny.py", "--config.compression.auto=on", "--config.train.steps=4",

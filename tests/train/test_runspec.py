@@ -294,6 +294,31 @@ def test_bad_two_hop_settings_are_refused_by_name(overrides, named):
     _assert_refused(overrides, named)
 
 
+def test_dcn_data_of_a_huge_data_axis_is_checked_at_once():
+    """The divisors are listed only for a refusal, found up to the square root,
+    and a long list is cut."""
+    import signal
+    import time
+
+    def too_slow(signum, frame):
+        raise TimeoutError("mesh.dcn_data's check took over 5 s")
+    old = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(5)
+    try:
+        t0 = time.perf_counter()
+        runspec._check_dcn_data(2, 10 ** 15)
+        with pytest.raises(runspec.UsageError) as e:
+            runspec._check_dcn_data(7, 2 ** 40)
+        took = time.perf_counter() - t0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert took < 2.0, took
+    assert str(e.value).startswith("mesh.dcn_data=7 does not divide mesh.data=1099511627776; "
+                                   "allowed: a divisor of mesh.data=1099511627776, 1, 2, 4, 8, "
+                                   "16, 32, 64, 128, ... or 1099511627776 (41 in all)"), str(e.value)
+
+
 def test_error_feedback_on_the_slow_hop_alone_is_accepted():
     run = runspec.validate(_tiny(**SPLIT, **{"compression.dcn.grad": "int4",
                                              "compression.error_feedback": "on"}), 8)
