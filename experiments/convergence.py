@@ -129,7 +129,8 @@ def _tp_act(spec: str) -> dict:
 
 
 # (every, fragments, codec, error feedback, slug, outer lr, outer momentum) of the
-# outer suite's runs. The outer step is the islands' mean (lr 1, no momentum):
+# outer suite's runs. sparseloco_k* are the runs made with the uint16-position,
+# three-level coder (coder=index), sparseloco_packed_k* those of the packed one. The outer step is the islands' mean (lr 1, no momentum):
 # at H=10, the first 120 steps of seed 0 reached val_loss 1.970 so, against
 # 2.090 with Nesterov momentum 0.5 and 2.084 with DiLoCo's (lr 0.7, momentum
 # 0.9), whose two "nesterov" runs here show what it does over 600 steps.
@@ -137,8 +138,10 @@ OUTER_RUNS = tuple((h, 1, codec, ef, slug, 1.0, 0.0) for h in (10, 50)
                    for codec, ef, slug in (("none", "off", "none"), ("int4:rot", "off", "int4rot"),
                                            ("topk:0.03", "on", "topk3_ef"))) \
     + tuple((h, 2, "int4:rot", "off", "int4rot", 1.0, 0.0) for h in (50, 10)) \
-    + tuple((10, 1, f"sparseloco:k={k}:chunk=4096:beta=0.95", "on", f"sparseloco_k{k}", 1.0, 0.0)
-            for k in (64, 256)) \
+    + tuple((10, 1, f"sparseloco:k={k}:chunk=4096:beta=0.95:coder=index", "on",
+             f"sparseloco_k{k}", 1.0, 0.0) for k in (64, 256)) \
+    + tuple((10, 1, f"sparseloco:k={k}:chunk=4096:beta=0.95", "on",
+             f"sparseloco_packed_k{k}", 1.0, 0.0) for k in (128, 256)) \
     + tuple((10, 1, codec, "off", f"nesterov_{slug}", 0.7, 0.9)
             for codec, slug in (("none", "none"), ("int4:rot", "int4rot"))) \
     + tuple((10, 1, "none", "off", f"lr{lr:g}_m{m:g}_none", lr, m)

@@ -127,13 +127,17 @@ def _is_sparseloco(spec) -> bool:
 
 
 def _sparseloco(spec: str) -> SparseLoCo:
-    """"sparseloco[:k=K][:chunk=C][:beta=B]" -> SparseLoCo (ValueError naming the option)."""
+    """"sparseloco[:k=K][:chunk=C][:beta=B][:coder=packed|index]" -> SparseLoCo
+    (ValueError naming the option)."""
     fields = {}
     for opt in spec.split(":")[1:]:
         key, eq, value = opt.partition("=")
-        if key not in ("k", "chunk", "beta") or not eq or key in fields:
+        if key not in ("k", "chunk", "beta", "coder") or not eq or key in fields:
             raise ValueError(f"option {opt!r} unknown or repeated; allowed: "
-                             "sparseloco[:k=K][:chunk=C][:beta=B]")
+                             "sparseloco[:k=K][:chunk=C][:beta=B][:coder=packed|index]")
+        if key == "coder":
+            fields[key] = value
+            continue
         try:
             fields[key] = float(value) if key == "beta" else int(value)
         except ValueError:

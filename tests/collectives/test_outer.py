@@ -361,16 +361,17 @@ def test_explicit_mesh():
 
 from jcomp.collectives import sparseloco  # noqa: E402
 
-SLC = sparseloco.SparseLoCo(k=8, chunk=256, beta=0.9)
+SLC = sparseloco.SparseLoCo(k=8, chunk=256, beta=0.9)                  # packed
+SLC_INDEX = sparseloco.SparseLoCo(k=8, chunk=256, beta=0.9, coder="index")
 W = {"w": P(None, "data")}  # one leaf, each device's piece its own [32, 32] shard
 
 
-def test_sparseloco_keeps_k_per_chunk_on_two_bits():
-    """Each chunk of 256 sends exactly 8 distinct positions (uint16) and 8 values
-    packed 4 per byte with one float32 scale: decoded, a chunk holds at most 8
-    non-zeros, each -s, 0 or +s with s its largest kept magnitude."""
+def test_sparseloco_index_coder_keeps_k_per_chunk_on_two_bits():
+    """coder="index": each chunk of 256 sends exactly 8 distinct positions (uint16)
+    and 8 values packed 4 per byte with one float32 scale: decoded, a chunk holds
+    at most 8 non-zeros, each -s, 0 or +s with s its largest kept magnitude."""
     x = jax.random.normal(jax.random.key(3), (1000,))
-    pay = sparseloco.encode(x, SLC)
+    pay = sparseloco.encode(x, SLC_INDEX)
     assert pay["index"].shape == (4, 8) and pay["index"].dtype == jnp.uint16
     assert pay["q"].shape == (4, 2) and pay["q"].dtype == jnp.uint8
     assert pay["scale"].shape == (4, 1)
@@ -379,12 +380,42 @@ def test_sparseloco_keeps_k_per_chunk_on_two_bits():
     xs = np.pad(np.asarray(x), (0, 24)).reshape(4, 256)
     for r in range(4):  # the kept entries are the chunk's 8 largest in magnitude
         assert set(idx[r]) == set(np.argsort(-np.abs(xs[r]))[:8])
-    out = np.pad(np.asarray(sparseloco.decode(pay, 1000, SLC)), (0, 24)).reshape(4, 256)
+    out = np.pad(np.asarray(sparseloco.decode(pay, 1000, SLC_INDEX)), (0, 24)).reshape(4, 256)
     for r in range(4):
         s = np.abs(xs[r][idx[r]]).max()
         assert set(np.unique(out[r])) <= {-s, 0.0, s}
         assert np.count_nonzero(out[r]) <= 8
-    assert SLC.payload_bytes(1000) == 4 * (2 + 4 + 8 * 2)
+    assert SLC_INDEX.payload_bytes(1000) == 4 * (2 + 4 + 8 * 2)
+
+
+def _quantize_packed(v):
+    """numpy of the packed coder's values: +-lo, +-hi from one Lloyd step from the mean."""
+    a = np.abs(v)
+    t = a.mean(dtype=np.float32)
+    big = a >= t
+    hi = a[big].mean(dtype=np.float32) if big.any() else t
+    lo = a[~big].mean(dtype=np.float32) if (~big).any() else t
+    return np.where(v < 0, -1, 1).astype(np.float32) * np.where(big, hi, lo)
+
+
+def test_sparseloco_packed_coder_keeps_k_per_chunk_on_four_levels():
+    """The packed coder: each chunk of 256 sends its 8 largest entries as 2 B of
+    2-bit codes, two float32 magnitudes and 8 positions in an Elias-Fano code of
+    8 x (5 + 1) + 8 bits = 7 B (r = 5), 17 B against the index coder's 22 B;
+    decoded, the positions are exact and each value is +-lo or +-hi."""
+    x = jax.random.normal(jax.random.key(3), (1000,))
+    pay = sparseloco.encode(x, SLC)
+    assert set(pay) == {"q", "scale", "pos"}
+    assert pay["q"].shape == (4, 2) and pay["scale"].shape == (4, 2)
+    assert pay["pos"].shape == (4, 7) and pay["pos"].dtype == jnp.uint8
+    assert SLC.payload_bytes(1000) == 4 * (2 + 8 + 7)
+    xs = np.pad(np.asarray(x), (0, 24)).reshape(4, 256)
+    out = np.pad(np.asarray(sparseloco.decode(pay, 1000, SLC)), (0, 24)).reshape(4, 256)
+    for r in range(4):
+        keep = np.sort(np.argsort(-np.abs(xs[r]))[:8])
+        assert np.array_equal(np.flatnonzero(out[r]), keep)
+        np.testing.assert_allclose(out[r][keep], _quantize_packed(xs[r][keep]), rtol=1e-6)
+        assert len(np.unique(np.abs(out[r][keep]))) == 2
 
 
 def _reference_round(anchor, p_IxX, res_IxX, c):
@@ -400,32 +431,37 @@ def _reference_round(anchor, p_IxX, res_IxX, c):
             out = np.zeros_like(chunks)
             for r, row in enumerate(chunks):
                 keep = np.argsort(-np.abs(row), kind="stable")[:c.k]
-                s = np.abs(row[keep]).max()
-                out[r, keep] = np.round(row[keep] / s) * s
+                if c.coder == "index":
+                    s = np.abs(row[keep]).max()
+                    out[r, keep] = np.round(row[keep] / s) * s
+                else:
+                    out[r, keep] = _quantize_packed(row[keep])
             sent[i][sl] = out.reshape(delta.shape)
             res_new[i][sl] = (acc - out.reshape(-1)).reshape(delta.shape)
     mean = (sent[0] + sent[1]) / np.float32(2)
     return anchor - mean, res_new
 
 
-def test_sparseloco_sync_matches_numpy_over_three_rounds(mesh):
+@pytest.mark.parametrize("codec", [SLC, SLC_INDEX], ids=["packed", "index"])
+def test_sparseloco_sync_matches_numpy_over_three_rounds(mesh, codec):
     """Three syncs (lr 1, no momentum) of islands that drift apart: the anchor
     and the decaying residuals follow a numpy reference of SparseLoCo (top-8 of
     every 256-entry chunk of beta * residual + pseudo-gradient, 2-bit values,
-    residual = what was not sent); within 4 ulp of the values' scale."""
+    residual = what was not sent), with either coder; within 4 ulp of the values'
+    scale."""
     outer_tx = optax.sgd(1.0)
     w = jax.device_put(_params()["w1"], NamedSharding(mesh, P()))
     p_IxX, state = jax.jit(functools.partial(cc.outer_init, tx=outer_tx, mesh=mesh, axis="dcn",
                                              param_specs=W, error_feedback=True))({"w": w})
     sync = jax.jit(functools.partial(cc.outer_sync, tx=outer_tx, mesh=mesh, axis="dcn",
-                                     codec=SLC, param_specs=W))
+                                     codec=codec, param_specs=W))
     anchor, res = np.asarray(state.anchor["w"]), np.asarray(state.residual["w"])
     rng = np.random.default_rng(0)
     for _ in range(3):
         drift = rng.standard_normal((ISLANDS, D, HID)).astype(np.float32) * 0.01
         p = jax.device_put({"w": np.asarray(p_IxX["w"]) + drift},
                            NamedSharding(mesh, P("dcn", None, "data")))
-        want_anchor, want_res = _reference_round(anchor, np.asarray(p["w"]), res, SLC)
+        want_anchor, want_res = _reference_round(anchor, np.asarray(p["w"]), res, codec)
         p_IxX, state = sync(p, state)
         anchor, res = np.asarray(state.anchor["w"]), np.asarray(state.residual["w"])
         tol = 4 * ULP * max(np.abs(want_anchor).max(), 1.0)
@@ -438,19 +474,26 @@ def test_sparseloco_sync_matches_numpy_over_three_rounds(mesh):
 def test_sparseloco_sends_its_payload_and_less_than_raw(mesh):
     """The compiled sync sends across "dcn" each device's payload once (2
     islands: an all_gather sends the other island one payload): 4 chunks x
-    (8 positions x 2 B + 2 B of values + a 4 B scale) per device, under the
-    raw sync's bytes; where the payloads would not gain, the piece goes raw."""
+    (2 B of values + two 4 B magnitudes + 7 B of positions) per device with the
+    packed coder, 4 x (16 B of uint16 positions + 2 B + a 4 B scale) with the
+    index coder, under the raw sync's bytes; where the payloads would not gain,
+    the piece goes raw."""
     outer_tx = optax.sgd(1.0)
     w = jax.device_put(_params()["w1"], NamedSharding(mesh, P()))
     p_IxX, state = jax.jit(functools.partial(cc.outer_init, tx=outer_tx, mesh=mesh, axis="dcn",
                                              param_specs=W, error_feedback=True))({"w": w})
     by = {}
-    for name, codec in (("slc", SLC), ("none", "none")):
+    for name, codec in (("packed", SLC), ("index", SLC_INDEX), ("none", "none")):
         fn = jax.jit(functools.partial(cc.outer_sync, tx=outer_tx, mesh=mesh, axis="dcn",
                                        codec=codec, param_specs=W))
         by[name] = wire.measure(fn, p_IxX, state, mesh=mesh).by_axis()["dcn"]
     piece = D * HID // 4
-    assert by["slc"] == SLC.payload_bytes(piece) == 4 * (8 * 2 + 2 + 4), by
-    assert by["slc"] < by["none"], by
+    assert by["packed"] == SLC.payload_bytes(piece) == 4 * (2 + 8 + 7), by
+    assert by["index"] == SLC_INDEX.payload_bytes(piece) == 4 * (8 * 2 + 2 + 4), by
+    assert by["packed"] < by["index"] < by["none"], by
     # every entry kept, 16 islands: 15 payloads of 2.3 KB would pass 2 x 15/16 x 4 KB
-    assert not sparseloco.SparseLoCo(k=256, chunk=256).sends_less(piece, 16)
+    assert not sparseloco.SparseLoCo(k=256, chunk=256, coder="index").sends_less(piece, 16)
+    # packed, every entry kept: 416 B a payload gains at 16 islands, not at 32 (31 x 416 B
+    # against 2 x 31/32 x 4 KB)
+    assert sparseloco.SparseLoCo(k=256, chunk=256).sends_less(piece, 16)
+    assert not sparseloco.SparseLoCo(k=256, chunk=256).sends_less(piece, 32)

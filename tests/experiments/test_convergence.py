@@ -535,8 +535,11 @@ def test_the_outer_suite_reports_bytes_across_the_slow_hop_against_the_uncoded_t
     assert {"outer_h50_f2_int4rot", "outer_h10_f2_int4rot", "outer_h10_sparseloco_k64",
             "outer_h10_lr0.3_m0.7_none"} <= set(names) and "outer_h50_f5_int4rot" not in names
     sparse = next(sp for sp in conv.run_specs() if sp["name"] == "outer_h10_sparseloco_k256")
+    assert "--config.outer.codec=sparseloco:k=256:chunk=4096:beta=0.95:coder=index" in \
+        conv.train_args(sparse, "configs/base.py", 600, 120, 60)
+    packed = next(sp for sp in conv.run_specs() if sp["name"] == "outer_h10_sparseloco_packed_k256")
     assert "--config.outer.codec=sparseloco:k=256:chunk=4096:beta=0.95" in conv.train_args(
-        sparse, "configs/base.py", 600, 120, 60)
+        packed, "configs/base.py", 600, 120, 60)
     h10 = next(sp for sp in conv.run_specs() if sp["name"] == "outer_h10_topk3_ef")
     args = conv.train_args(h10, "configs/base.py", 600, 120, 60)
     for flag in ("--config.mesh.dcn_data=2", "--config.outer.every=10",
