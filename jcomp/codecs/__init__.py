@@ -12,7 +12,8 @@ unchanged), "dense" (decode, sum in float32, code again), "sparse" (scatter-add)
 or, for the structured codecs, "lowrank" and "learned". `row_multiple` is the
 row length that codes without padding; `needs_key` codecs draw random numbers.
 A NaN or Inf is never coded into a finite number. Modules, by family: `base`,
-`blockwise`, `microscale` (MXFP8, MXFP4, NVFP4), `rotation`, `sparse`, `spec`
+`blockwise`, `microscale` (MXFP8, MXFP4, NVFP4), `rotation`, `sparse`,
+`sparsepack` (SparseLoCo's packed positions and values), `spec`
 (the grammar), `reader` and `structured` (the specs of jcomp.powersgd and
 jcomp.autoencoder). Nothing here imports from outside the package.
 """
