@@ -50,16 +50,27 @@ A resume keeps the decision the newest checkpoint recorded (no probe, the
 profile file unread) unless compression.auto="reprobe": that decides afresh,
 and a policy other than the checkpoint's is refused (its state is laid out
 for that policy; train the new choice in a new workdir).
+
+The processes of a cluster must decide as one, or each compiles another step
+and they wait on each other's collectives until a timeout: what a decision
+rests on (the profile file's figures, the checkpoint's decision kept) is
+compared across processes before it is used, and a difference is refused on
+every process in one line (`_agree_on_basis`); the probe's and the trial's
+timings are process 0's on every process, and a stop asked for during the
+trial is agreed by all (jcomp.train.trial).
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
+import logging
 import math
 import os
 
 import jax
 import ml_collections
+import numpy as np
 
 from jcomp import tune
 from jcomp.gpt import mesh as mesh_lib
@@ -69,6 +80,7 @@ from jcomp.train.autopick import (AS_GIVEN, OUTER_ENTRY, overrides, pick_route,
                                    weigh_by_trial)
 
 UsageError = faults.UsageError
+_log = logging.getLogger(__name__)
 MODES = ("off", "on", "reprobe")
 
 OUTER = "outer"            # the budget's key allowing an outer loop: "outer=H"
@@ -77,12 +89,18 @@ OUTER = "outer"            # the budget's key allowing an outer loop: "outer=H"
 # outer_h10_int4rot +2.16% [-0.01%, +4.34%] over 3 seeds, 78x fewer bytes across).
 OUTER_CODEC = "int4:rot"
 FEWEST = ", fewest bytes"  # a route's variant at the budget's most compressed codecs
+# compression.trial's most steps per candidate. On the two-hop rig 3 to 6
+# steps set the order of candidates apart by more than their spread; each
+# timed candidate costs N + 1 steps before training starts, so far more only
+# delays the run (a trial of 1e9 steps never ends).
+MAX_TRIAL = 100
 
 
 def settings(cfg) -> dict | None:
-    """The compression.auto fields checked -> {"mode", "profile" (a Profile, or
-    None: probe), "profile_path", "budget", "overlap", "compute_s", "trial"}; None
-    with auto off."""
+    """The compression.auto fields checked -> {"mode", "profile_path" ("": probe),
+    "profile" (None: the file is read by `decide`, and only where it decides
+    afresh: a resume keeping its decision never reads it), "budget", "overlap",
+    "compute_s", "trial"}; None with auto off."""
     comp = cfg.compression
     mode = comp.get("auto", "off")
     if mode not in MODES:
@@ -98,7 +116,10 @@ def settings(cfg) -> dict | None:
         raise UsageError(f"compression.compute_s={compute_s!r} with compression.trial={trial}: "
                          "the trial measures the step's compute; set compute_s=0 or trial=0")
     path = comp.get("profile", "")
-    return {"mode": mode, "profile_path": path, "profile": load_profile(path) if path else None,
+    if not isinstance(path, str):
+        raise UsageError(f"compression.profile={path!r}; allowed: a profile JSON's path, or '' "
+                         "(probe the run's mesh at start)")
+    return {"mode": mode, "profile_path": path, "profile": None,
             "budget": budget, "overlap": overlap, "compute_s": compute_s, "trial": trial}
 
 
@@ -169,9 +190,10 @@ def check_compute(value) -> float:
 
 
 def check_trial(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UsageError(f"compression.trial={value!r}; allowed: an int >= 0 (steps timed per "
-                         "candidate before training; 0: the model alone decides)")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TRIAL:
+        raise UsageError(f"compression.trial={value!r}; allowed: an int in [0, {MAX_TRIAL}] "
+                         "(steps timed per candidate before training; 0: the model alone "
+                         "decides)")
     return value
 
 
@@ -316,8 +338,8 @@ def decide(cfg, s: dict, run, mesh, workdir, rows=None):
     compression.profile is ''), `rows` this process's first batch rows (for
     compression.trial)."""
     from jcomp.train.runspec import validate
-    kept = saved(workdir) if s["mode"] == "on" else None
-    if kept is not None:
+    kept, s = _basis(s, workdir)
+    if kept is not None and s["mode"] == "on":
         step, summary = kept
         summary = {**summary, "source": f"kept from the checkpoint of step {step}"}
     else:
@@ -325,16 +347,7 @@ def decide(cfg, s: dict, run, mesh, workdir, rows=None):
         if s["trial"]:
             if rows is None:
                 raise ValueError("compression.trial needs the run's first rows (rows=)")
-            n = len(mesh.devices.flat)
-
-            def time_of(d):
-                # An outer loop's trial times its inner steps; its syncs are
-                # priced per step by the model (the entry OUTER_ENTRY).
-                cand = validate(with_policy(cfg, d), n)
-                on = mesh_lib.make_mesh(cand.mesh_shape, dcn_data=cand.mesh_split())
-                sync = d["entries"][OUTER_ENTRY]["seconds"] if d.get("outer") else 0.0
-                return trial.step_seconds(cand, on, rows, s["trial"]) + sync
-            summary = weigh_by_trial(flat, others, time_of, s["trial"])
+            summary = _by_trial(cfg, s, mesh, rows, flat, others)
         else:
             summary = pick_route(flat, others, s["compute_s"]) if others else flat
             summary = with_compute(summary, s["compute_s"])
@@ -342,8 +355,98 @@ def decide(cfg, s: dict, run, mesh, workdir, rows=None):
             summary = {**summary, "not_weighed": note}
     chosen = validate(with_policy(cfg, summary), len(mesh.devices.flat))
     if s["mode"] == "reprobe":
-        _check_reprobe(workdir, summary)
+        _check_reprobe(kept, summary)
     return chosen, summary
+
+
+def _by_trial(cfg, s: dict, mesh, rows, flat: dict, others: dict) -> dict:
+    from jcomp.train.runspec import validate
+    n = len(mesh.devices.flat)
+    with trial.Signals() as signals:
+        def time_of(d):
+            # An outer loop's trial times its inner steps; its syncs are
+            # priced per step by the model (the entry OUTER_ENTRY).
+            cand = validate(with_policy(cfg, d), n)
+            on = mesh_lib.make_mesh(cand.mesh_shape, dcn_data=cand.mesh_split())
+            sync = d["entries"][OUTER_ENTRY]["seconds"] if d.get("outer") else 0.0
+            return trial.step_seconds(cand, on, rows, s["trial"], stop=signals.agreed) + sync
+        try:
+            return weigh_by_trial(flat, others, time_of, s["trial"])
+        except trial.Stopped:
+            _log.warning("stop requested during compression.trial: nothing written")
+            if jax.process_count() > 1:
+                # Every process stops here (the stop was agreed); leaving the
+                # cluster together keeps the coordination service, on process
+                # 0, up until the others are gone.
+                jax.distributed.shutdown()
+            raise
+
+
+def _basis(s: dict, workdir) -> tuple[tuple[int, dict] | None, dict]:
+    """(the newest checkpoint's (step, decision), or None; `s` with its profile
+    read where the decision is made afresh from a file), the same on every
+    process of a cluster or UsageError on every one (`_agree_on_basis`). A
+    resume keeping its decision (compression.auto='on') reads no profile."""
+    kept = saved(workdir)
+    profile, error = s.get("profile"), None
+    if profile is None and s["profile_path"] and not (kept is not None and s["mode"] == "on"):
+        try:
+            profile = load_profile(s["profile_path"])
+        except UsageError as e:
+            error = e
+    _agree_on_basis(s["profile_path"], kept, profile, error)
+    if error is not None:
+        raise error
+    return kept, {**s, "profile": profile}
+
+
+def _digest(value) -> list[int]:
+    text = json.dumps(value, sort_keys=True, allow_nan=True, default=str)
+    return list(hashlib.sha256(text.encode()).digest()[:16])
+
+
+def _agree_on_basis(path: str, kept, profile: tune.Profile | None, error) -> None:
+    """In a cluster: each process's kept decision and profile figures (or its
+    failure to read the file) against process 0's. Where any differs, every
+    process raises a UsageError (a process that failed names its own reason),
+    after the others have said they are leaving (cluster.leave_together)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    from jcomp.train import cluster
+    mine = np.asarray([int(error is not None), kept[0] if kept else -1,
+                       *_digest(kept[1] if kept else None),
+                       *_digest(profile.to_dict() if profile else None)], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    failed = [i for i in range(len(every)) if every[i, 0]]
+    steps = [int(v) for v in every[:, 1]]
+    decisions = [i for i in range(1, len(every)) if not np.array_equal(every[i, 1:18],
+                                                                        every[0, 1:18])]
+    figures = [i for i in range(1, len(every)) if not np.array_equal(every[i, 18:],
+                                                                      every[0, 18:])]
+    if not (failed or decisions or figures):
+        return
+    cluster.leave_together()
+    if error is not None:
+        raise error
+    field = f"compression.profile={path!r}"
+    if failed:
+        raise UsageError(f"{field} could not be read on process {', '.join(map(str, failed))} "
+                         "(its own line says why); every process must read the same profile")
+    if decisions:
+        i = decisions[0]
+        held = lambda j: (f"the checkpoint of step {steps[j]}" if steps[j] >= 0
+                          else "no checkpoint")
+        raise UsageError(
+            f"the processes would resume different compression.auto decisions: process 0 "
+            f"from {held(0)}, process {i} from {held(i)}"
+            + (" (another decision at the same step)" if steps[i] == steps[0] else "")
+            + "; every process must see the same --workdir checkpoints")
+    raise UsageError(f"{field} holds other figures on process "
+                     f"{', '.join(map(str, figures))} than on process 0: every process must "
+                     "plan with the same profile, or each would choose its own codecs and "
+                     "compile another step; copy process 0's file to the others")
 
 
 def _probe(mesh, codecs=tune.DEFAULT_CODECS) -> tune.Profile:
@@ -363,10 +466,13 @@ def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict, str | None]:
     trial, each route's fewest-bytes variant is among the others (`_fewest`)."""
     from jcomp.train.runspec import validate
     every = (s["budget"] or {}).get(OUTER)
-    if s["profile"] is not None:
+    written = s.get("profile")
+    if written is None and s["profile_path"]:
+        written = load_profile(s["profile_path"])
+    if written is not None:
         source = f"profile {s['profile_path']}"
-        flat = choose(run, s["profile"], s["budget"], s["overlap"], source)
-        return flat, _fewest(s, AS_GIVEN, flat, run, s["profile"], source), _not_weighed(
+        flat = choose(run, written, s["budget"], s["overlap"], source)
+        return flat, _fewest(s, AS_GIVEN, flat, run, written, source), _not_weighed(
             every, "a written profile has no figures for another mesh than the run's")
     profile = _probe(mesh)
     flat = choose(run, profile, s["budget"], s["overlap"], "probed at start")
@@ -459,8 +565,8 @@ def outer_candidate(cfg, budget, overlap: float, k: int, split_profile: tune.Pro
             "outer": {"every": every, "codec": OUTER_CODEC}}
 
 
-def _check_reprobe(workdir, summary):
-    kept = saved(workdir)
+def _check_reprobe(kept, summary):
+    """`kept`: `saved(workdir)`, (step, decision) or None."""
     if kept is None:
         return
     step, old = kept

@@ -340,6 +340,8 @@ def test_compute_seconds_turn_communication_into_a_predicted_step():
     ("compression.compute_s", float("inf"), "compression.compute_s=inf"),
     ("compression.trial", -1, "compression.trial=-1"),
     ("compression.trial", True, "compression.trial=True"),
+    ("compression.trial", 10 ** 9, "compression.trial=1000000000; allowed: an int in [0, 100]"),
+    ("compression.trial", 101, "compression.trial=101; allowed: an int in [0, 100]"),
     ("compression.auto", "maybe", "compression.auto='maybe'"),
     ("compression.budget", "grad=int2", "compression.budget='grad=int2'"),
     ("compression.budget", "grad", "compression.budget='grad'"),
@@ -349,7 +351,6 @@ def test_compute_seconds_turn_communication_into_a_predicted_step():
     ("compression.data.grad", "int8", "compression.data.grad='int8'"),
     ("compression.policy", "hybrid", "compression.policy='hybrid'"),
     ("compression.schedule.data.grad", "int8@2", "compression.schedule.data.grad='int8@2'"),
-    ("compression.profile", "/no/such/profile.json", "compression.profile='/no/such"),
 ])
 def test_bad_settings_name_their_field(field, value, named):
     with pytest.raises(runspec.UsageError) as e:
@@ -376,6 +377,50 @@ def test_a_profile_without_an_axis_of_the_mesh_is_refused_naming_the_profile(tmp
     partial = tune.Profile(links={"data": tune.Link(1e-6, 1e9)}, codecs=FAST.codecs, device="x")
     with pytest.raises(runspec.UsageError, match=r"^compression.profile .*no link for mesh axis"):
         auto.choose(run, partial, None, 0.0, "profile x")
+
+
+def _mesh8():
+    from jcomp.gpt import mesh as mesh_lib
+    _, run = uncompressed_run()
+    return mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
+
+
+def _checkpoint(workdir, step, decision):
+    d = workdir / "checkpoints" / str(step)
+    (d / "meta").mkdir(parents=True)
+    (d / "meta" / "metadata").write_text(json.dumps({"auto": decision}))
+    (d / "commit_success.txt").write_text("")
+
+
+def test_a_resume_keeping_its_decision_reads_no_profile(tmp_path):
+    """docs/trainer.md: a resume keeps the checkpoint's decision and does not read
+    the profile file, which may be gone; a fresh run reads it and names it."""
+    missing = str(tmp_path / "gone.json")
+    cfg, run = uncompressed_run(**{"compression.profile": missing})
+    s = auto.settings(cfg)  # the file is not read here
+    assert s["profile_path"] == missing and s["profile"] is None
+    with pytest.raises(runspec.UsageError, match=r"^compression.profile='.*gone.json': No such"):
+        auto.decide(cfg, s, run, _mesh8(), str(tmp_path / "fresh"))
+    workdir = tmp_path / "w"
+    _checkpoint(workdir, 4, auto.choose(run, SLOW, None, 0.0, "profile gone.json"))
+    chosen, summary = auto.decide(cfg, s, run, _mesh8(), str(workdir))
+    assert summary["source"] == "kept from the checkpoint of step 4"
+    assert str(chosen.policy["data", "grad"]) == "int4:rot"
+    # reprobe decides afresh, so it reads the file.
+    with pytest.raises(runspec.UsageError, match=r"^compression.profile='.*gone.json'"):
+        auto.decide(cfg, {**s, "mode": "reprobe"}, run, _mesh8(), str(workdir))
+
+
+def test_a_profile_with_absurd_figures_is_refused_naming_the_field(tmp_path):
+    path = tmp_path / "absurd.json"
+    data = FAST.to_dict()
+    data["links"]["data"] = {"latency_s": 1e308, "bytes_per_s": 5e-324}
+    path.write_text(json.dumps(data))
+    cfg, run = uncompressed_run(**{"compression.profile": str(path)})
+    with pytest.raises(runspec.UsageError) as e:
+        auto.decide(cfg, auto.settings(cfg), run, _mesh8(), str(tmp_path / "w"))
+    assert str(e.value).startswith(f"compression.profile={str(path)!r}: profile.links['data']: "
+                                   "Link.latency_s must be a number in [0, 60]"), str(e.value)
 
 
 def test_saved_reads_the_newest_complete_checkpoints_decision(tmp_path):

@@ -33,3 +33,28 @@ def test_bad_counts_are_refused_naming_the_argument(kw, named):
     run, mesh, rows = _tiny()
     with pytest.raises(ValueError, match=named):
         trial.step_seconds(run, mesh, rows, **kw)
+
+
+def test_a_stop_is_answered_before_the_compile_and_between_steps():
+    """trial.Signals notes a signal and passes it on to the StopFlag in place
+    (train.py's); step_seconds asks `stop` before compiling: a stop asked for
+    is answered there, with nothing built."""
+    import os
+    import signal
+
+    from jcomp.train import faults
+    run, mesh, rows = _tiny()
+    with faults.StopFlag() as flag, trial.Signals() as signals:
+        assert not signals.agreed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.seen and flag.requested and signals.agreed()
+        asked = []
+        with pytest.raises(trial.Stopped) as e:
+            trial.step_seconds(run, mesh, rows, steps=3, stop=lambda: asked.append(1) or True)
+    assert e.value.code == 0 and asked == [1]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # both handlers taken out
+    # A StopFlag set before the trial began counts too.
+    with faults.StopFlag() as flag:
+        flag.requested = True
+        with trial.Signals() as signals:
+            assert signals.agreed() and not signals.seen
