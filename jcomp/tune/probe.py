@@ -39,10 +39,16 @@ Every call waits for its result: it is what is timed, and emulated CPU
 devices can stop on collectives queued without waiting. With
 several processes, every process runs the same programs, and all take process
 0's figures, so that each one plans the same codecs and compiles the same step.
+The stop rules decide on the slowest process's time (`_slowest`, a reduction
+over processes): each process reading its own clock around a joint psum could
+stop after another number of calls than the others, whose next psum would then
+wait for it forever. A size's time is the slowest process's median, so the
+fit, and its refusal, come out the same on every process too.
 """
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 
@@ -61,6 +67,7 @@ DEFAULT_CODEC_BYTES = 1 << 22
 CODEC_ROW = 4096  # elements per coded row: a multiple of every default block
 SLOW_CALL_S = 0.25  # a call past this (of the second size or later) ends the sizes
 SIZE_BUDGET_S = 1.0  # the timed calls of one size stop once together past this
+_clock = time.perf_counter  # what calls are timed with (replaceable per process)
 
 
 def _check_sizes(sizes, name: str):
@@ -77,16 +84,26 @@ def _check_sizes(sizes, name: str):
     return tuple(sorted(set(sizes)))
 
 
+def _slowest(seconds: float) -> float:
+    """The largest of every process's `seconds` (one process: its own). Every
+    process must call it at the same point."""
+    if jax.process_count() == 1:
+        return seconds
+    from jax.experimental import multihost_utils
+    return float(np.max(np.asarray(multihost_utils.process_allgather(np.float32(seconds)))))
+
+
 def _times_s(fn, arg, repeats: int, max_s: float = float("inf")) -> list[float]:
     """Seconds of each of `repeats` calls after an untimed first one (the compile);
-    fewer, at least one, once the timed calls together pass max_s."""
+    fewer, at least one, once the timed calls together pass max_s on the slowest
+    process."""
     jax.block_until_ready(fn(arg))
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _clock()
         jax.block_until_ready(fn(arg))
-        times.append(time.perf_counter() - t0)
-        if sum(times) > max_s:
+        times.append(_clock() - t0)
+        if math.isfinite(max_s) and _slowest(sum(times)) > max_s:
             break
     return times
 
@@ -134,7 +151,8 @@ def _probe_axis(mesh, axis: str, sizes, repeats: int) -> Link:
     program = _psum_program(mesh, axis)
     wire, seconds = [], []
     for size in sizes:
-        seconds.append(_median_s(program, _ones(mesh, size), repeats, max_s=SIZE_BUDGET_S))
+        seconds.append(_slowest(_median_s(program, _ones(mesh, size), repeats,
+                                          max_s=SIZE_BUDGET_S)))
         wire.append(2 * (n - 1) / n * size)
         if len(seconds) >= 2 and seconds[-1] > SLOW_CALL_S:
             break  # a slow link: its bandwidth is clear, larger sizes only cost time

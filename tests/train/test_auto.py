@@ -685,6 +685,62 @@ def test_two_processes_allowed_an_outer_loop_weigh_it_and_train_with_the_route_t
     assert f"route {name}: " in outs[0][0]
 
 
+def _free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two_processes(workdir, flags, cwd=(ROOT, ROOT), env=None):
+    """train.py as 2 processes x 4 CPU devices on 127.0.0.1, process i in cwd[i]."""
+    port = _free_port()
+    env = env or dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+        "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"))
+    tiny = [a.replace("--config=configs/", f"--config={ROOT}/configs/") for a in TINY]
+    return [subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"),
+                              f"--workdir={workdir}", *tiny, *flags,
+                              f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                              f"--process_id={i}", "--cpu_devices=4"],
+                             cwd=cwd[i], env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE) for i in range(2)]
+
+
+def _outcomes(procs, timeout):
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+@pytest.mark.e2e
+def test_two_processes_with_different_profile_files_are_refused_in_one_line(tmp_path):
+    """One compression.profile path (the same config on every process) whose file
+    holds other figures on each host: every process exits 2 with one line naming
+    the profile and the process that differs, before anything is written, where
+    each chose its own codecs, compiled another step and waited minutes for a
+    gloo timeout."""
+    workdir = tmp_path / "w"
+    hosts = []
+    for i, prof in enumerate((FAST, SLOW)):
+        host = tmp_path / f"host{i}"
+        host.mkdir()
+        write(host / "profile.json", prof)
+        hosts.append(str(host))
+    procs = _two_processes(str(workdir), ["--config.compression.profile=profile.json"],
+                           cwd=hosts)
+    outs = _outcomes(procs, timeout=150)
+    for p, (_, err) in zip(procs, outs):
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert p.returncode == 2 and len(lines) == 1, err[-3000:]
+        assert lines[0].startswith("train.py: error: compression.profile='profile.json' holds "
+                                   "other figures on process 1 than on process 0"), lines[0]
+    assert not workdir.exists()
+
+
 @pytest.mark.e2e
 def test_a_resume_keeps_the_decision_and_reprobe_re_decides(auto_runs):
     r = auto_runs["fast"]

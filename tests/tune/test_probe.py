@@ -1,6 +1,10 @@
 """jcomp.tune.probe on the emulated 8-device CPU mesh: links per axis, codec costs."""
 import importlib
 import math
+import os
+import socket
+import subprocess
+import sys
 import time
 
 import jax
@@ -111,3 +115,58 @@ def test_a_mesh_is_required():
         tune.probe(jax.devices())
     with pytest.raises(TypeError, match="codecs"):
         tune.probe(_mesh((4, 2), ("data", "tensor")), codecs="int8")
+
+
+_TWO_PROCESS_PROBE = r"""
+import sys, time
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+port, me = sys.argv[1], int(sys.argv[2])
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=me)
+import importlib
+probe = importlib.import_module("jcomp.tune.probe")
+if me == 1:
+    # This process's clock runs 10000x fast: each of its calls reads as a slow
+    # link's, past SIZE_BUDGET_S and SLOW_CALL_S, where process 0's do not.
+    real = time.perf_counter
+    probe._clock = lambda: real() * 10000
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+prof = probe.probe(mesh, codecs=(), sizes=(1 << 12, 1 << 22, 1 << 23), repeats=5)
+link = prof.links["data"]
+print("LINK", link.comment, link.latency_s, link.bytes_per_s, flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def test_two_processes_whose_stop_rules_trip_on_one_only_stop_as_one(tmp_path):
+    """2 processes x 2 CPU devices probing one axis across both: on process 1
+    every call looks slow (its clock), on process 0 none does. The stop rules
+    decide on the slowest process's time, so both make the same calls (one per
+    size, two sizes) and end with the same link, where process 0 went on to
+    more calls and sizes and the two waited on each other's psums."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = tmp_path / "probe2.py"
+    script.write_text(_TWO_PROCESS_PROBE)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=root)
+    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(i)], cwd=root,
+                              env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    links = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        [line] = [l for l in out.splitlines() if l.startswith("LINK ")]
+        links.append(line)
+    assert links[0] == links[1]
+    assert "sizes [4096, 4194304] B/device" in links[0], links[0]
