@@ -115,17 +115,22 @@ def outer_sync(params_IxX, state: OuterState, *, tx, mesh, axis: str, codec="non
     "flat" (the default: pseudo-gradients are parameter buffers, where no row
     is a token, so each leaf's piece codes as one vector and fewer scales
     travel; leaves never share a block) or "independent" (every vector along a
-    leaf's last axis on its own, pieces made of whole rows). key: for codecs
-    that draw. A leaf of size 0 sends nothing and stays empty. Call it inside
-    `jax.jit`.
+    leaf's last axis on its own, pieces made of whole rows). key: a
+    jax.random key, required by codecs that draw (stochastic rounding ":sr",
+    randk): a new one for each sync (e.g. jax.random.fold_in of a run's key
+    with the sync's step), else every sync draws alike. A leaf of size 0 sends
+    nothing and stays empty. Call it inside `jax.jit`.
     """
     _check_tx(tx)
     _check_args(params_IxX, state, mesh, axis)
     specs = _check_specs(param_specs, params_IxX, "params_IxX", 1, mesh, axis)
     arguments.check_rows(rows)
-    if isinstance(codec, sparseloco.SparseLoCo) and state.residual is None:
-        raise ValueError("codec SparseLoCo keeps a residual per island: make the state with "
-                         "cc.outer_init(..., error_feedback=True)")
+    if isinstance(codec, sparseloco.SparseLoCo):
+        if state.residual is None:
+            raise ValueError("codec SparseLoCo keeps a residual per island: make the state "
+                             "with cc.outer_init(..., error_feedback=True)")
+    else:
+        _check_key(arguments.parse(codec), key)
     delta_IxX = jax.tree.map(lambda a, p: a[None].astype(p.dtype) - p, state.anchor, params_IxX)
     mean, residual = _average(delta_IxX, state.residual, specs, mesh, axis, codec, rows, key,
                               bucket_bytes)
@@ -226,6 +231,14 @@ def _whole(piece_RxC, rep, shape, dtype):
     """The pieces of `rep`'s devices put back together (a raw gather over fast axes)."""
     full = lax.all_gather(piece_RxC, rep, axis=0, tiled=True, to="invarying")
     return rowlayout.from_whole_rows(full, shape, dtype)
+
+
+def _check_key(codec, key):
+    # Raised here, before tracing, so that the message names outer_sync's argument.
+    if codec.needs_key and key is None:
+        raise ValueError(f"codec {str(codec)!r} draws random numbers: pass key= to "
+                         "cc.outer_sync (a jax.random key, a new one for each sync, e.g. "
+                         "jax.random.fold_in(key, step))")
 
 
 def _check_tx(tx):

@@ -58,6 +58,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jcomp import codecs
 from jcomp import collectives as cc
 from jcomp.gpt import sharding, step, zero
 from jcomp.meter import wire
@@ -66,9 +67,24 @@ from jcomp.train.faults import UsageError
 from jcomp.train.traffic import WIDTH, human
 
 AXIS = "dcn"  # the islands' mesh axis
-# Codecs that draw (":sr", randk) get fold_in(fold_in(key(seed), KEY_STREAM), step):
-# a stream apart from the inner step's, a pure function of the step (resumes draw alike).
+# Codecs that draw (":sr", randk) get `sync_key`: a stream apart from the inner
+# step's, a pure function of the step and the fragment, so that a resumed run
+# draws what the uninterrupted one did and no two syncs draw alike.
 KEY_STREAM = 0x5D1
+
+
+def sync_key(seed: int, step_no, fragment: int):
+    """The key of fragment `fragment`'s sync after inner step `step_no`:
+    fold_in(fold_in(fold_in(key(seed), KEY_STREAM), step_no), fragment)."""
+    key = jax.random.fold_in(jax.random.key(seed), KEY_STREAM)
+    return jax.random.fold_in(jax.random.fold_in(key, step_no), fragment)
+
+
+def draws(codec) -> bool:
+    """Whether outer codec `codec` (a spec, a Codec or a SparseLoCo) needs a key."""
+    if isinstance(codec, cc.SparseLoCo):
+        return False
+    return codecs.parse(codec).needs_key
 
 
 # ------------------------------------------------------------------ the state
@@ -211,7 +227,8 @@ def make_sync(run, mesh, params_shapes, tx, fragment: int, stage: str = "sync"):
     info = part_shapes(run, params_shapes, mesh, tx, parts)
     tx_outer = o.tx()
     codec = o.codec_object()
-    needs_key = getattr(codec, "needs_key", False)
+    # The codec is a spec string here: ask the parsed codec, not the string.
+    needs_key = draws(codec)
     shapes = jax.tree.leaves(params_shapes)
     multiple = run.zero.multiple
 
@@ -242,8 +259,7 @@ def make_sync(run, mesh, params_shapes, tx, fragment: int, stage: str = "sync"):
         cuts = [cut(p) for p in parts]
         ost = cc.OuterState([c[1] for c in cuts], state["outer"]["opt"][fragment],
                             [c[2] for c in cuts] if fed else None)
-        key = (jax.random.fold_in(jax.random.fold_in(jax.random.key(run.seed), KEY_STREAM),
-                                  step_no) if needs_key else None)
+        key = sync_key(run.seed, step_no, fragment) if needs_key else None
         new_m, new_ost = cc.outer_sync([c[0] for c in cuts], ost, tx=tx_outer, mesh=mesh,
                                        axis=AXIS, codec=codec,
                                        param_specs=[s for _, _, s in info], key=key,

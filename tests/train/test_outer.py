@@ -272,3 +272,46 @@ def test_diloco_config_has_two_islands_of_data_2_x_tensor_2():
     assert run.islands == 2 and run.outer.every == 10 and run.outer.codec == "int4:rot"
     assert run.mesh_sizes() == {"dcn": 2, "data": 2, "tensor": 2, "pipeline": 1}
     assert run.plan_sizes() == {"data": 2, "tensor": 2, "pipeline": 1}
+
+
+def test_an_outer_codec_that_draws_gets_a_key_per_step_and_fragment():
+    """The trainer's sync parses the codec spec to see whether it draws (the spec
+    is a string, which has no needs_key), and keys it by step and fragment, so
+    that no two syncs draw alike and a resumed run draws as the uninterrupted one."""
+    from jcomp.train import outer
+    assert outer.draws("randk:0.25") and outer.draws("int8:sr")
+    assert not outer.draws("topk:0.1") and not outer.draws("int8")
+    assert not outer.draws(SparseLoCo())
+    key = lambda n, f: np.asarray(jax.random.key_data(outer.sync_key(0, n, f)))
+    assert np.array_equal(key(4, 1), key(4, 1))
+    keys = [key(n, f) for n in (2, 4) for f in (0, 1)] + [np.asarray(jax.random.key_data(
+        outer.sync_key(1, 4, 1)))]
+    assert len({k.tobytes() for k in keys}) == len(keys)
+
+
+def test_outer_sync_takes_a_key_for_a_codec_that_draws_and_names_it_when_missing():
+    """cc.outer_sync with randk: without key= a ValueError naming key= and
+    outer_sync, before anything is traced; with one, the draw follows the key."""
+    import functools
+
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jcomp import collectives as cc
+    mesh = jax.make_mesh((2, 4), ("dcn", "data"), axis_types=(AxisType.Auto,) * 2)
+    params = jax.device_put({"w": jnp.arange(64.0).reshape(8, 8) / 64},
+                            NamedSharding(mesh, P()))
+    tx = optax.sgd(1.0)
+    params_IxX, state = jax.jit(functools.partial(cc.outer_init, tx=tx, mesh=mesh,
+                                                  axis="dcn"))(params)
+    params_IxX = jax.tree.map(lambda p: p * jnp.array([1.0, 3.0])[:, None, None], params_IxX)
+    with pytest.raises(ValueError, match=r"codec 'randk:0.25' draws random numbers: pass key= "
+                                         r"to cc.outer_sync"):
+        cc.outer_sync(params_IxX, state, tx=tx, mesh=mesh, axis="dcn", codec="randk:0.25")
+    sync = jax.jit(lambda p, s, k: cc.outer_sync(p, s, tx=tx, mesh=mesh, axis="dcn",
+                                                 codec="randk:0.25", key=k))
+    a, b, c = (np.asarray(sync(params_IxX, state, jax.random.key(k))[1].anchor["w"])
+               for k in (0, 0, 1))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
