@@ -227,6 +227,9 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                 if start_s is not None:  # its own seconds, on a thread beside the step's
                     record["outer_start_s"] = start_s
             for f in outerconfig.due(done, run.outer):
+                # A sync can fall due after the first step, before the start table
+                # below compiles the syncs; a carried start compiles none here.
+                syncs.prepare(state)
                 if run.outer.delay and done < t.steps and not evaluates(done):
                     pending = f  # its start overlaps the next step
                     record["outer_carried_by"] = done + 1
