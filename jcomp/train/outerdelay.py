@@ -10,7 +10,7 @@ island's master of the fragment to mix * its own + (1 - mix) * the anchor's
 (the paper's mixing factor, the islands' share; 0.5 as there) and gathers its
 working params anew.
 
-The start overlaps step n + 1, in one of two ways (`overlap_for`):
+The start overlaps step n + 1 where it can, as `overlap_for` picks:
 
 - "program" (GPU, TPU): the start rides in step n + 1's program (`carry`). The
   step and the start read the same state and neither reads what the other
@@ -24,8 +24,16 @@ The start overlaps step n + 1, in one of two ways (`overlap_for`):
   the thread that dispatches it, and a program's collectives one at a time in
   order, so in one program the step's first collective would wait for the
   exchange (docs/experiments.md has what the rig shows).
+- "serial" (CPU, where an island spans several processes): the start runs
+  alone on the main thread, then the step; nothing overlaps. There the step's
+  collectives cross processes too, and two threads would issue the two
+  programs' cross-process collectives in an order each process picks for
+  itself; the CPU runtime keys a rendezvous by a channel id that does not
+  tell them apart, and stops when devices meet in different ones
+  (`jcomp.collectives.cpu`). With an island per process the step sends
+  nothing between processes, and the thread is safe.
 
-Either way the state after step n + 1 is the same, bit for bit, as the start
+Every way, the state after step n + 1 is the same, bit for bit, as the start
 run alone after step n and then the step. After a step that is evaluated, or
 the run's last, the start runs alone (`Syncs.run_sync`), so that the global
 model evaluated there holds it.
@@ -43,16 +51,19 @@ unchanged.
 from __future__ import annotations
 
 import concurrent.futures
+import textwrap
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jcomp.meter import wire
 from jcomp.train import fragments
 from jcomp.train.outer import (AXIS, Syncs, cast_islands, inner_state, is_spec, make_sync,
                                master_specs, part_shapes, plan_of)
+from jcomp.train.traffic import WIDTH
 
 
 def make_apply(run, mesh, params_shapes, tx, fragment: int):
@@ -110,18 +121,31 @@ def carry(train_fn, start_fn):
     return jax.jit(fused, donate_argnums=(0, 2))
 
 
-OVERLAPS = ("program", "thread")
+OVERLAPS = ("program", "thread", "serial")
 
 # New buffers of the same values and layout, on every process (a copy the
 # program makes, since it may not hand back the buffers it was given).
 _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
-def overlap_for(backend: str) -> str:
-    """How a carried start overlaps its step on `backend`: "thread" on CPU, where
-    a program runs in its dispatching thread and its collectives one at a time;
-    "program" elsewhere (module docstring)."""
-    return "thread" if backend == "cpu" else "program"
+def overlap_for(backend: str, island_processes: int = 1) -> str:
+    """How a carried start overlaps its step on `backend` (module docstring):
+    "program" off CPU; on CPU "thread", where a program runs in its dispatching
+    thread and its collectives one at a time, or "serial" where an island spans
+    `island_processes` > 1 processes (no overlap: two threads' cross-process
+    collectives, in orders the processes pick apart, deadlock the CPU runtime)."""
+    if backend != "cpu":
+        return "program"
+    return "thread" if island_processes <= 1 else "serial"
+
+
+def island_processes(mesh) -> int:
+    """The most processes whose devices one island of `mesh` (an index of its
+    'dcn' axis) holds."""
+    devices = np.asarray(mesh.devices)
+    axis = list(mesh.axis_names).index(AXIS)
+    rows = np.moveaxis(devices, axis, 0).reshape(devices.shape[axis], -1)
+    return max(len({d.process_index for d in row}) for row in rows)
 
 
 def compile_all(run, mesh, params_shapes, tx, state):
@@ -153,15 +177,33 @@ class DelayedSyncs(Syncs):
     """`Syncs` whose fragments start overlapped with the next inner step
     (`run_carried`), or alone after an evaluated or the last step
     (`compile_all`'s starts), and merge outer.delay steps later (its merges).
-    `overlap`: one of OVERLAPS; None: `overlap_for` the default backend."""
+    `overlap`: one of OVERLAPS; None: `overlap_for` the default backend and
+    `mesh`'s islands. "thread" is refused where an island spans several
+    processes."""
 
     def __init__(self, run, mesh, params_shapes, tx, overlap: str | None = None):
         super().__init__(run, mesh, params_shapes, tx)
-        overlap = overlap_for(jax.default_backend()) if overlap is None else overlap
+        self.island_processes = island_processes(mesh)
+        if overlap is None:
+            overlap = overlap_for(jax.default_backend(), self.island_processes)
         if overlap not in OVERLAPS:
             raise ValueError(f"overlap={overlap!r}; allowed: {', '.join(OVERLAPS)}")
+        if overlap == "thread" and self.island_processes > 1:
+            raise ValueError(f"overlap='thread' with islands of {self.island_processes} "
+                             "processes: the step's and the start's collectives across "
+                             "processes would run in no agreed order; allowed: serial, program")
         self.overlap = overlap
         self._pool = None
+
+    def start_line(self, inner_bytes: float) -> str:
+        line = super().start_line(inner_bytes)
+        if self.overlap != "serial":
+            return line
+        return line + "\n" + textwrap.fill(
+            f"outer.delay={self.run.outer.delay}: each island spans "
+            f"{self.island_processes} processes, so on CPU a sync's start runs before the "
+            "next step, not beside it (two threads' collectives across processes can "
+            "deadlock the CPU runtime).", WIDTH, subsequent_indent="  ")
 
     def _compile(self, state):
         self._exe, self._apply, self.bytes_per_sync, self._start_fns = compile_all(
@@ -174,7 +216,7 @@ class DelayedSyncs(Syncs):
         self.prepare(state)
         inner = inner_state(state)
         steps.train(phase, inner, batch)
-        if self.overlap == "thread":
+        if self.overlap != "program":
             return
         n = jnp.zeros((), jnp.int32)
         for f in range(self.run.outer.fragments):
@@ -185,14 +227,23 @@ class DelayedSyncs(Syncs):
     def run_carried(self, fragment: int, phase, steps, state, batch, started_after: int):
         """-> (state after one inner step on `batch` with fragment `fragment`'s
         sync start, due after step `started_after` (`state`'s), overlapped with
-        it; the step's metrics; with overlap "thread", the start's own seconds,
-        else None). `steps`: the run's StepCache."""
+        it; the step's metrics; with overlap "thread" or "serial", the start's
+        own seconds, else None). `steps`: the run's StepCache."""
         self.prepare_carried(phase, steps, state, batch)
         inner = inner_state(state)
         n = jnp.asarray(started_after, jnp.int32)
         if self.overlap == "program":
             inner, metrics, outer = self._carried[phase, fragment](inner, batch, state["outer"], n)
             return {**inner, "outer": outer}, metrics, None
+        if self.overlap == "serial":
+            # Done before the step is dispatched, so every process issues the
+            # start's collectives, then the step's, in the same order.
+            t0 = time.perf_counter()
+            outer = jax.block_until_ready(self._exe[fragment](state["outer"], inner, n))
+            seconds = time.perf_counter() - t0
+            exe, _ = steps.train(phase, inner, batch)
+            inner, metrics = exe(inner, batch)
+            return {**inner, "outer": outer}, metrics, seconds
         # The start reads the masters the step donates: it gets a copy of its own.
         masters = _copy(inner["zero"]["master"])
         rest = {**inner, "zero": {**inner["zero"], "master": masters}}

@@ -141,10 +141,11 @@ def test_a_resume_cannot_drop_or_add_a_delay():
 @pytest.mark.slow  # compiles whole train steps, syncs and carried steps
 def test_a_start_carried_by_the_next_step_equals_the_start_run_alone():
     """Fragment 1's start (due after step 2) overlapped with step 3, in one
-    program (outerdelay.carry) or on a thread beside the step's, leaves the
-    same state, bit for bit, as the start run alone after step 2 and then step
-    3; the one program holds the step's collectives and the start's exchange
-    across islands; the thread times the start."""
+    program (outerdelay.carry) or on a thread beside the step's, or run before
+    the step ("serial"), leaves the same state, bit for bit, as the start run
+    alone after step 2 and then step 3; the one program holds the step's
+    collectives and the start's exchange across islands; the thread and the
+    serial start time the start."""
     kw = {"outer.every": 4, "outer.fragments": 2, "outer.delay": 1,
           "outer.codec": "int4:rot", "outer.error_feedback": "on"}
     alone = _Run(**kw)
@@ -168,7 +169,7 @@ def test_a_start_carried_by_the_next_step_equals_the_start_run_alone():
         for x, y in zip(jax.tree.leaves(_np(alone.state)), jax.tree.leaves(_np(r.state))):
             assert np.array_equal(x, y), overlap
         assert np.isfinite(float(outer.island_mean(m)["loss"]))
-        if overlap == "thread":
+        if overlap != "program":
             assert seconds > 0 and r.syncs._carried == {}
             continue
         assert seconds is None
@@ -184,3 +185,42 @@ def test_the_overlap_is_a_thread_on_cpu_one_program_elsewhere_and_named_when_bad
     assert r.syncs.overlap == outerdelay.overlap_for(jax.default_backend())
     with pytest.raises(ValueError, match="overlap='stream'; allowed: program, thread"):
         outerdelay.DelayedSyncs(r.run, r.mesh, r.shapes, r.tx, overlap="stream")
+
+
+def _fake_mesh(processes):
+    """A (dcn 2, data 2, tensor 2, pipeline 1) mesh's shape and axes whose 8
+    devices belong to `processes` processes in row-major order."""
+    import types
+    per = 8 // processes
+    devices = np.array([types.SimpleNamespace(process_index=i // per) for i in range(8)],
+                       dtype=object).reshape(2, 2, 2, 1)
+    return types.SimpleNamespace(devices=devices, axis_names=("dcn", "data", "tensor", "pipeline"))
+
+
+def test_on_cpu_islands_that_span_processes_run_the_start_before_the_step():
+    """With an island over several processes the step's collectives cross
+    processes too, and a start on a thread of its own would issue its
+    cross-process collectives in an order each process picks for itself: on CPU
+    the start runs before the step instead ("serial"), said under the start
+    table, and "thread" is refused by name. One process per island (or one
+    process in all) keeps the thread."""
+    from jcomp.train import resume
+    run = runspec.validate(tiny_config(**{"outer.every": 4, "outer.delay": 1,
+                                          "mesh.data": 4, "mesh.pipeline": 1,
+                                          "mesh.dcn_data": 2}), 8)
+    shapes = jax.eval_shape(resume.init_params(run))
+    tx = run.optim.tx(run.train.steps)
+    assert [outerdelay.island_processes(_fake_mesh(p)) for p in (1, 2, 4, 8)] == [1, 1, 2, 4]
+    assert outerdelay.overlap_for("cpu", 2) == "serial"
+    assert outerdelay.overlap_for("gpu", 2) == "program"
+    for processes, want in ((1, "thread"), (2, "thread"), (4, "serial")):
+        syncs = outerdelay.DelayedSyncs(run, _fake_mesh(processes), shapes, tx, overlap=(
+            None if jax.default_backend() == "cpu" else outerdelay.overlap_for("cpu", processes)))
+        assert syncs.overlap == want, processes
+    syncs.bytes_per_sync = [1000.0]
+    line = " ".join(syncs.start_line(0.0).split())
+    assert ("outer.delay=1: each island spans 2 processes, so on CPU a sync's start runs "
+            "before the next step, not beside it") in line, line
+    with pytest.raises(ValueError, match="overlap='thread' with islands of 2 processes: .*"
+                                         "allowed: serial, program"):
+        outerdelay.DelayedSyncs(run, _fake_mesh(4), shapes, tx, overlap="thread")
