@@ -55,6 +55,21 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
+def traced_or_jitted(fn):
+    """fn(*args) as given where any argument is traced (inside the user's jit),
+    and compiled with `jax.jit` where all are concrete: a program with partial
+    manual `shard_map`s does not run op by op, and `jax.value_and_grad`, which
+    such a function stands in for, can be called eagerly."""
+    jitted = jax.jit(fn)
+
+    def call(*args, **kwargs):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+            return fn(*args, **kwargs)
+        return jitted(*args, **kwargs)
+
+    return call
+
+
 def axes_of(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 

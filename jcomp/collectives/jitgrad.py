@@ -96,7 +96,7 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
                    bucket_bytes=None, check_bytes=True):
     """`jax.value_and_grad(loss_fn)` with the reduction over the batch axes sent with
     `codec`. -> fn(params, batch, key=None) -> (loss, grads), or ((loss, aux),
-    grads) with `has_aux`; call it inside `jax.jit`.
+    grads) with `has_aux`; inside `jax.jit`, or eagerly (then jitted).
 
     loss_fn(params, batch) -> scalar (with `has_aux`, (scalar, aux)), written
     for the whole batch as for `jax.value_and_grad`; the batch is an argument
@@ -151,8 +151,9 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
                              "parameters split over them itself, as written; leave it 'none'")
         fn = unreduced.value_and_grad(loss_fn, mesh, data_axes, has_aux, codec, scatter,
                                       rows, bucket, param_specs, rules)
-        return (bytecheck.checked(fn, loss_fn, has_aux, mesh, unreduced.typed_specs)
-                if check_bytes else fn)
+        return arguments.traced_or_jitted(
+            bytecheck.checked(fn, loss_fn, has_aux, mesh, unreduced.typed_specs)
+            if check_bytes else fn)
     rest = tuple(a for a in mesh.axis_names if a not in data_axes)
     data_spec = data_axes if len(data_axes) > 1 else data_axes[0]
     value_of = loss_fn if has_aux else lambda p, b: (loss_fn(p, b), ())
@@ -212,7 +213,8 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
                                 is_leaf=lambda s: isinstance(s, P))
         return jitspecs.check(mesh, data_axes, params, param_specs, rules), per_leaf
 
-    return bytecheck.checked(fn, loss_fn, has_aux, mesh, shardings_of) if check_bytes else fn
+    return arguments.traced_or_jitted(
+        bytecheck.checked(fn, loss_fn, has_aux, mesh, shardings_of) if check_bytes else fn)
 
 
 def _read(name, codec, data_axes):
