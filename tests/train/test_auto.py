@@ -3,8 +3,10 @@ and the planning CLI (jcomp.train.plan): in process with made-up profiles, then
 train.py in subprocesses (marked e2e)."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -741,6 +743,87 @@ def test_two_processes_with_different_profile_files_are_refused_in_one_line(tmp_
     assert not workdir.exists()
 
 
+_SLOW_TRIAL = r"""
+import os, sys, time
+root = sys.argv[1]
+sys.path.insert(0, root)
+import train  # first: its signal handlers go in before JAX loads, as in train.py
+from jcomp.train import trial
+
+Real = trial.StepCache
+
+
+class Slow:
+    # The trial's steps, each 0.5 s longer; the first says it has begun.
+    def __init__(self, *args, **kwargs):
+        self.cache = Real(*args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        exe, report = self.cache.train(*args, **kwargs)
+
+        def slow(*a):
+            if not os.environ.get("SAID"):
+                os.environ["SAID"] = "1"
+                print("TRIAL STEP", file=sys.stderr, flush=True)
+            time.sleep(0.5)
+            return exe(*a)
+        return slow, report
+
+
+trial.StepCache = Slow
+train.run([os.path.join(root, "train.py"), *sys.argv[2:]])
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_signal_during_the_trial_is_answered_within_seconds(tmp_path, processes):
+    """SIGTERM once compression.trial=100 times its first candidate (each step
+    slowed to 0.5 s: 50 s a candidate): the trial stops between two steps and
+    the run ends as a stop before the first step does, exit 0 and nothing
+    written; on two processes, the one signalled and the other stop together."""
+    script = tmp_path / "slowtrial.py"
+    script.write_text(_SLOW_TRIAL)
+    prof = write(tmp_path / "slow.json", SLOW)
+    workdir = tmp_path / "w"
+    flags = [f"--workdir={workdir}",
+             *[a.replace("--config=configs/", f"--config={ROOT}/configs/") for a in TINY],
+             f"--config.compression.profile={prof}", "--config.compression.trial=100"]
+    env = _train_env()
+    if processes == 1:
+        procs = [subprocess.Popen([sys.executable, str(script), ROOT, *flags], cwd=ROOT,
+                                  env=env, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)]
+    else:
+        env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
+                            "--xla_backend_optimization_level=0")
+        port = _free_port()
+        procs = [subprocess.Popen([sys.executable, str(script), ROOT, *flags,
+                                   f"--coordinator_address=127.0.0.1:{port}",
+                                   "--num_processes=2", f"--process_id={i}", "--cpu_devices=4"],
+                                  cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for i in range(2)]
+    try:
+        said = []
+        while not said or said[-1] and not said[-1].startswith("TRIAL STEP"):
+            said.append(procs[-1].stderr.readline())  # to its first trial step
+        assert said[-1].startswith("TRIAL STEP"), "".join(said)[-3000:]
+        procs[-1].send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        outs = _outcomes(procs, timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert took < 20, took
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert "Traceback" not in err
+    assert "stop requested during compression.trial" in outs[-1][1]
+    assert not workdir.exists()
+
+
 @pytest.mark.e2e
 def test_a_resume_keeps_the_decision_and_reprobe_re_decides(auto_runs):
     r = auto_runs["fast"]
@@ -755,6 +838,7 @@ def test_a_resume_keeps_the_decision_and_reprobe_re_decides(auto_runs):
     assert sorted(os.listdir(os.path.join(r["workdir"], "checkpoints"))) == steps_before
     assert len(_auto_records(r["workdir"])) == 1
 
+    os.remove(r["profile"])  # a resume keeping its decision does not read it
     kept = _train(r["workdir"], f"--config.compression.profile={r['profile']}",
                   "--config.train.steps=6")
     assert kept.returncode == 0, kept.stderr[-3000:]
@@ -774,8 +858,18 @@ def test_a_resume_keeps_the_decision_and_reprobe_re_decides(auto_runs):
     ("--config.compression.budget=grad=int2", "compression.budget='grad=int2'"),
     ("--config.compression.overlap=1.5", "compression.overlap=1.5"),
     ("--config.compression.data.grad=int8", "compression.data.grad='int8'"),
+    ("--config.compression.trial=1000000000",
+     "compression.trial=1000000000; allowed: an int in [0, 100]"),
+    ("--config.compression.profile={absurd}",
+     "compression.profile='{absurd}': profile.links['data']: Link.latency_s must be a number "
+     "in [0, 60]"),
 ])
 def test_bad_auto_input_is_one_line_exit_2_and_nothing_written(tmp_path, arg, named):
+    absurd = tmp_path / "absurd.json"
+    data = FAST.to_dict()
+    data["links"]["data"] = {"latency_s": 1e308, "bytes_per_s": 5e-324}
+    absurd.write_text(json.dumps(data))
+    arg, named = arg.format(absurd=absurd), named.format(absurd=absurd)
     workdir = tmp_path / "w"
     r = _train(str(workdir), arg, timeout=120)
     assert r.returncode == 2
