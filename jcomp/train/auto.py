@@ -89,10 +89,10 @@ OUTER = "outer"            # the budget's key allowing an outer loop: "outer=H"
 # outer_h10_int4rot +2.16% [-0.01%, +4.34%] over 3 seeds, 78x fewer bytes across).
 OUTER_CODEC = "int4:rot"
 FEWEST = ", fewest bytes"  # a route's variant at the budget's most compressed codecs
-# compression.trial's most steps per candidate. On the two-hop rig 3 to 6
-# steps set the order of candidates apart by more than their spread; each
-# timed candidate costs N + 1 steps before training starts, so far more only
-# delays the run (a trial of 1e9 steps never ends).
+# compression.trial's most steps per candidate. configs/auto.py's 6 took a
+# candidate within 5% of the fastest on the two-hop rig (docs/trainer.md);
+# each timed candidate costs N + 1 steps before training starts, so a far
+# longer trial only delays the run (one of 1e9 steps never ends).
 MAX_TRIAL = 100
 
 
