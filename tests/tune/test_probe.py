@@ -128,10 +128,10 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
 import importlib
 probe = importlib.import_module("jcomp.tune.probe")
 if me == 1:
-    # This process's clock runs 10000x fast: each of its calls reads as a slow
+    # This process's clock runs 1000x fast: each of its calls reads as a slow
     # link's, past SIZE_BUDGET_S and SLOW_CALL_S, where process 0's do not.
     real = time.perf_counter
-    probe._clock = lambda: real() * 10000
+    probe._clock = lambda: real() * 1000
 mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 prof = probe.probe(mesh, codecs=(), sizes=(1 << 12, 1 << 22, 1 << 23), repeats=5)
 link = prof.links["data"]
