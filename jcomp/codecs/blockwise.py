@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jcomp.codecs.base import Payload, _as_rows, _check_float, _numel, _rows_shape
+from jcomp.codecs import rotation
 from jcomp.codecs.rotation import _rotate, _unrotate
 from jcomp.codecs.spec import _bad, _join
 
@@ -187,13 +188,52 @@ class IntQuant:
         x = jnp.asarray(x)
         _check_float(x, self.name)
         x_RxNBxBL = _to_blocks(x, self.block)
+        if self._fused(x_RxNBxBL.shape):
+            return rotation.on_gpu((x_RxNBxBL,), lambda v: self.encode_basis(_rotate(v)),
+                                   self.encode_gpu)
         return self.encode_basis(_rotate(x_RxNBxBL) if self.rot else x_RxNBxBL, key=key)
 
     def decode(self, payload: Payload, shape, dtype):
         if self.rot:
+            nb = payload["scale"].shape[-1]
+            if self._fused(payload["scale"].shape + (self.block,)) and nb:
+                blocks = rotation.on_gpu((payload,), lambda p: _unrotate(self.decode_basis(p)),
+                                         self.decode_gpu)
+                return _from_blocks(blocks, None, shape, dtype)
             return self.from_basis(self.decode_basis(payload), shape, dtype)
         v_RxNBxBL, scale_RxNB = self._codes(payload)
         return _from_blocks(v_RxNBxBL, scale_RxNB, shape, dtype)
+
+    # On a GPU a rotated codec codes in one Pallas kernel per direction: the
+    # rotation, the block scale and the codes of a block in registers, so the
+    # rotated values never go to memory (jcomp.codecs.rotation, "the GPU form").
+
+    def _fused(self, blocks_shape) -> bool:
+        return (self.rot and not self.sr
+                and rotation.piece_width(self.block, 8 // self.bits) == min(self.block, 32)
+                and rotation.gpu_applies(blocks_shape, jnp.float32, 8 // self.bits))
+
+    def encode_gpu(self, x_RxNBxBL, *, interpret: bool = False, tile=None) -> Payload:
+        """`encode_basis(_rotate(x))` as one kernel; the same payload (`tile`:
+        rotation.rotate_gpu's)."""
+        lead, block = x_RxNBxBL.shape[:-2], self.block
+        n = math.prod(x_RxNBxBL.shape[:-1])
+        per = 8 // self.bits
+        q, scale = rotation.kernel_call(
+            _int_rot_encoder(self.bits, block), x_RxNBxBL.reshape(n, block), block,
+            tile or rotation.gpu_tile(n, block, per),
+            [((block // per,), jnp.uint8), ((), jnp.float32)], interpret=interpret)
+        return {"q": q.reshape(*lead, -1), "scale": scale.reshape(x_RxNBxBL.shape[:-1])}
+
+    def decode_gpu(self, payload: Payload, *, interpret: bool = False, tile=None):
+        """`_unrotate(decode_basis(payload))` as one kernel: float32 (*lead, NB, BL)."""
+        scale_RxNB, block, per = payload["scale"], self.block, 8 // self.bits
+        n = math.prod(scale_RxNB.shape)
+        (x,) = rotation.kernel_call(
+            _int_rot_decoder(self.bits, block), payload["q"].reshape(n, block // per), block,
+            tile or rotation.gpu_tile(n, block, per), [((block,), jnp.float32)],
+            extra=[(scale_RxNB.reshape(n), ())], interpret=interpret)
+        return x.reshape(*scale_RxNB.shape, block)
 
     # The rotated basis. A dense collective sums decoded rows and codes the sum
     # again; with `rot` it can do both in the basis the codes live in (the
@@ -219,7 +259,7 @@ class IntQuant:
 
     def from_basis(self, x_RxNBxBL, shape, dtype):
         """Blocks in the codec's basis back to an array of `shape`."""
-        x_RxNBxBL = _unrotate(x_RxNBxBL) if self.rot else x_RxNBxBL
+        x_RxNBxBL = rotation.unrotate(x_RxNBxBL) if self.rot else x_RxNBxBL
         return _from_blocks(x_RxNBxBL, None, shape, dtype)
 
     def _codes(self, payload: Payload):
@@ -236,6 +276,82 @@ class IntQuant:
     def __str__(self):
         return _join(self.name, _block_opt(self.block), "sr" if self.sr else "",
                      "rot" if self.rot else "")
+
+
+def _round_even(v):
+    """jnp.round (to nearest, ties to even) from floor: Triton has no round.
+    Exact for every float32, so it agrees with jnp.round bit for bit."""
+    r = jnp.floor(v)
+    d = v - r
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) == 1.0
+    return jnp.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
+
+
+def _pieces_absmax(pieces):
+    """`_block_absmax` over a block's pieces. Triton's max skips NaN, so a NaN
+    is carried by a separate flag, as XLA's max carries it."""
+    amax, nan = None, None
+    for p in pieces:
+        a = jnp.max(jnp.abs(p), axis=1)
+        b = jnp.max(jnp.where(p != p, 1.0, 0.0), axis=1)
+        amax = a if amax is None else jnp.maximum(amax, a)
+        nan = b if nan is None else jnp.maximum(nan, b)
+    return jnp.where(nan > 0, jnp.nan, amax)
+
+
+def _int_rot_encoder(bits: int, block: int):
+    """Kernel: blocks -> packed codes and scales of IntQuant(bits, block, rot=True),
+    the steps of `encode_basis(_rotate(x))` on pieces."""
+    qmax, per = 2 ** (bits - 1) - 1, 8 // bits
+    width = rotation.piece_width(block, per)
+
+    def kernel(x_ref, s_ref, h_ref, q_ref, scale_ref):
+        from jax.experimental import pallas as pl
+
+        pieces = rotation.transform_pieces(lambda lo, k: x_ref[:, pl.ds(lo, k)], s_ref, h_ref,
+                                           block, width, inverse=False)
+        scale = _pieces_absmax(pieces) / qmax
+        finite = jnp.isfinite(scale)
+        safe = jnp.where(finite & (scale > 0), scale, 1.0)
+        codes = []
+        for p in pieces:
+            v = jnp.clip(_round_even(p / safe[:, None]), -qmax, qmax)
+            signed = jnp.where(p > 0, qmax, jnp.where(p < 0, -qmax, 0.0))
+            codes.append((jnp.where(finite[:, None], v, signed) + qmax).astype(jnp.uint8))
+        run = len(codes) // per  # pieces per packing run
+        for j in range(run):
+            b = codes[j]
+            for k in range(1, per):
+                b = b | (codes[j + k * run] << (k * bits))
+            q_ref[:, pl.ds(j * width, width)] = b
+        scale_ref[...] = scale
+
+    return kernel
+
+
+def _int_rot_decoder(bits: int, block: int):
+    """Kernel: packed codes and scales -> blocks, `_unrotate(decode_basis(p))` on pieces."""
+    qmax, per = 2 ** (bits - 1) - 1, 8 // bits
+    width = rotation.piece_width(block, per)
+    run = block // per // width
+
+    def kernel(q_ref, s_ref, h_ref, scale_ref, o_ref):
+        from jax.experimental import pallas as pl
+
+        scale = scale_ref[...]
+
+        def load(lo, k):  # k == width: piece lo // width
+            j, part = (lo // width) % run, (lo // width) // run
+            b = q_ref[:, pl.ds(j * width, width)]
+            if per > 1:
+                b = (b >> (part * bits)) & jnp.uint8(2**bits - 1)
+            return (b.astype(jnp.float32) - qmax) * scale[:, None]
+
+        pieces = rotation.transform_pieces(load, s_ref, h_ref, block, width, inverse=True)
+        for k, p in enumerate(pieces):
+            o_ref[:, pl.ds(k * width, width)] = p
+
+    return kernel
 
 
 # float8_e4m3fn bits by integer arithmetic on float32 bits. XLA:CPU's own

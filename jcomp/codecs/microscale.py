@@ -27,7 +27,7 @@ import numpy as np
 from jcomp.codecs.base import Payload, _check_float, _numel, _rows_shape
 from jcomp.codecs.blockwise import (_block_absmax, _check_block, _e4m3_bits, _e4m3_values,
                                     _from_blocks, _pack, _to_blocks, _unpack)
-from jcomp.codecs.rotation import _rotate, _unrotate
+from jcomp.codecs.rotation import rotate, unrotate
 from jcomp.codecs.spec import _join
 
 E2M1_MAX = 6.0
@@ -160,7 +160,7 @@ class _Microscaled:
         x = jnp.asarray(x)
         _check_float(x, self.name)
         x_RxNBxBL = _to_blocks(x, self.block)
-        return self.encode_basis(_rotate(x_RxNBxBL) if self.rot else x_RxNBxBL, key=key)
+        return self.encode_basis(rotate(x_RxNBxBL) if self.rot else x_RxNBxBL, key=key)
 
     def decode(self, payload: Payload, shape, dtype):
         if self.rot:
@@ -204,7 +204,7 @@ class _Microscaled:
 
     def from_basis(self, x_RxNBxBL, shape, dtype):
         """Blocks in the codec's basis back to an array of `shape`."""
-        x_RxNBxBL = _unrotate(x_RxNBxBL) if self.rot else x_RxNBxBL
+        x_RxNBxBL = unrotate(x_RxNBxBL) if self.rot else x_RxNBxBL
         return _from_blocks(x_RxNBxBL, None, shape, dtype)
 
     def _row_bytes(self, c: int) -> int:
