@@ -4,12 +4,13 @@ compiler makes of each codec, read from the optimized HLO.
     pip install -e '.[aot]'
     JAX_PLATFORMS=cpu python -m benchmarks.aot [--sizes-mib 1 16 64]
         [--codecs none int8 ...] [--ops psum psum_scatter all_gather ppermute]
-        [--devices 8] [--spec benchmarks/specs/h100_sxm.txtpb]
+        [--devices 8] [--spec FILE]
         [--json benchmarks/results/aot_h100.json] [--hlo-dir DIR]
 
 The `aot` extra installs the CUDA plugin at jax's own version; its
 compile-only topology (`jax.experimental.topologies.get_topology_desc`) gives
-8 H100 devices described by the vendored target spec, and `jit(...).trace(x)
+8 H100 devices described by `benchmarks.h100` (or a GpuTargetConfigProto text
+file given with --spec), and `jit(...).trace(x)
 .lower().compile()` runs XLA's GPU pipeline on abstract shapes: nothing is
 allocated or run. Under JAX_PLATFORMS=cpu the plugin skips its check for a
 CUDA driver (this module sets it when unset).
@@ -52,12 +53,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from benchmarks import h100  # noqa: E402
 from jcomp import codecs  # noqa: E402
 from jcomp import collectives as cc  # noqa: E402
 from jcomp.meter import hlo  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEC = os.path.join(ROOT, "benchmarks", "specs", "h100_sxm.txtpb")
 AXIS = "x"
 OPS = ("psum", "psum_scatter", "all_gather", "ppermute")
 CODECS = ("none", "bf16", "fp8", "int8", "int4", "int4:rot", "mxfp8", "mxfp4", "mxfp4:rot",
@@ -84,7 +85,10 @@ class PluginMissing(RuntimeError):
     """The CUDA plugin (and so the compile-only H100 topology) is not installed."""
 
 
-def spec_text(path: str = SPEC) -> str:
+def spec_text(path: str | None = None) -> str:
+    """The target description: benchmarks.h100's, or the text file at `path`."""
+    if path is None:
+        return h100.target_config()
     with open(path) as f:
         return f.read()
 
@@ -311,7 +315,8 @@ def main(argv=None) -> int:
     p.add_argument("--codecs", nargs="+", default=list(CODECS))
     p.add_argument("--ops", nargs="+", default=list(OPS))
     p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--spec", default=SPEC)
+    p.add_argument("--spec", default=None,
+                   help="a GpuTargetConfigProto text file (default: benchmarks.h100's H100)")
     p.add_argument("--json", default=os.path.join("benchmarks", "results", "aot_h100.json"))
     p.add_argument("--hlo-dir", help="also write each optimized HLO module here")
     p.add_argument("--kernels", action="store_true", help="keep each program's kernel list")
@@ -324,7 +329,7 @@ def main(argv=None) -> int:
         if bad:
             raise ValueError(f"--ops: unknown {bad}; one of {list(OPS)}")
         devices = topology(args.devices, spec_text(args.spec))
-    except (ValueError, PluginMissing) as e:
+    except (ValueError, PluginMissing, OSError) as e:
         print(f"aot.py: error: {e}", file=sys.stderr)
         return 2
     out = dict(command="JAX_PLATFORMS=cpu python -m benchmarks.aot "
@@ -332,7 +337,7 @@ def main(argv=None) -> int:
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                commit=_git_head(), jax_version=jax.__version__,
                target=devices[0].device_kind, devices=len(devices),
-               spec=os.path.relpath(os.path.abspath(args.spec), ROOT), rows=[])
+               spec="benchmarks.h100" if args.spec is None else args.spec, rows=[])
     for mib in args.sizes_mib:
         elements = max(int(mib * 2**20) // 4 // 256 * 256, 256)
         for op in args.ops:
