@@ -254,8 +254,8 @@ def main(argv, full_argv=None, hooks=None):
         print(f"step {last['step']}: loss {last['loss']:.4f}"
               + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
               + f"; {sent}"
-              + (f" (+ {traffic.human(last['outer_bytes_per_step'])}/step across islands, "
-                 "outer loop)" if "outer_bytes_per_step" in last else "")
+              + (f" (+ {traffic.human(last.get('outer_across_bytes_per_step', last['outer_bytes_per_step']))}"
+                 "/step across islands, outer loop)" if "outer_bytes_per_step" in last else "")
               + f"; metrics in {os.path.join(workdir, 'metrics.jsonl')}")
     if FLAGS.coordinator_address or FLAGS.distributed:
         jax.distributed.shutdown()

@@ -163,6 +163,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     # (outerdelay: in its program, or on a thread beside it); after the last
     # step or one evaluated (the global model must hold it), it runs alone.
     pending = start.outer_pending
+    across = {}  # an outer run's bytes across islands per inner step, counted at its start
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     try:
         writer = (metrics_lib.MetricsWriter(metrics_path, tensorboard=True)
@@ -201,8 +202,9 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                 state = {**inner, "outer": state["outer"]} if syncs else inner
             else:
                 state, m, start_s = syncs.run_carried(carried, phase, steps, state, batch, i)
-            if syncs:
-                m = outer_lib.island_mean(m)
+            if syncs:  # one program across islands per step (the skip count rides along)
+                m_islands = {**m, "skipped": state["skipped"]}
+                m = outer_lib.island_mean(m_islands)
             # Waiting on every step also keeps emulated CPU devices from deadlocking.
             loss = float(m["loss"])
             dt = time.perf_counter() - t0
@@ -211,7 +213,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             if streak:
                 _nonfinite(t, done, loss, streak, ckpt)
             record = steprecord.step_record(done, m, loss, dt, lr_at(i), tokens_per_step, phase,
-                                            _skipped(state, syncs))
+                                            int(m["skipped"] if syncs else state["skipped"]))
             if "ef_norm" in record and 0 < t.ef_reset_norm < record["ef_norm"]:
                 state = _reset_ef(state)
                 record["ef_reset"] = True
@@ -253,7 +255,9 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                         if run.outer.delay:  # compiled now, not inside a carrying step
                             syncs.prepare_carried(phase, steps, state, batch)
                         bar.write(syncs.start_line(report.by_axis().get(outer_lib.AXIS, 0.0)))
-                        record["outer_bytes_per_step"] = syncs.bytes_per_step()
+                        across = _across(run, steps, syncs, state, m_islands, val, mesh)
+                        record.update(across)
+                        bar.write(_across_line(record))
                         record["outer_state_bytes_per_device"] = \
                             step_lib.device_bytes(state["outer"])
                 if "compression_changes" in record:
@@ -286,7 +290,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     if not last:
         return last
     last = _with_traffic(last, run, steps)
-    return {**last, "outer_bytes_per_step": syncs.bytes_per_step()} if syncs else last
+    return {**last, **across, "outer_bytes_per_step": syncs.bytes_per_step()} if syncs else last
 
 
 def _append(writer, record, metrics_path, done, ckpt, nested=False):
@@ -307,11 +311,25 @@ def _mesh_sizes(run) -> dict:
     return run.plan_sizes()
 
 
-def _skipped(state, syncs) -> int:
-    """Updates dropped so far (summed over the islands of an outer run)."""
-    if syncs:
-        return int(outer_lib.island_mean({"skipped": state["skipped"]})["skipped"])
-    return int(state["skipped"])
+def _across(run, steps: StepCache, syncs, state, m_islands, val, mesh) -> dict:
+    """Every byte one device sends across islands per inner step of an outer
+    run, read from the compiled programs: the syncs (averaged over their
+    interval), the islands' agreement on each step's metrics, and the exact
+    evaluations of the anchor and of the islands (averaged over eval_every)."""
+    island = outer_lib.island_mean_bytes(m_islands, mesh)
+    evals = (2 * steps.val_bytes_across(syncs.global_params(state), val) / run.train.eval_every
+             if val else 0.0)
+    sync = syncs.bytes_per_step()
+    return {"outer_bytes_per_step": sync, "outer_island_bytes_per_step": island,
+            "outer_eval_bytes_per_step": evals,
+            "outer_across_bytes_per_step": sync + island + evals}
+
+
+def _across_line(record) -> str:
+    return (f"across islands per inner step: {traffic.human(record['outer_across_bytes_per_step'])}"
+            f" per device (syncs {traffic.human(record['outer_bytes_per_step'])}, metrics "
+            f"{traffic.human(record['outer_island_bytes_per_step'])}, evaluation "
+            f"{traffic.human(record['outer_eval_bytes_per_step'])})")
 
 
 def _with_traffic(last: dict, run, steps: StepCache) -> dict:

@@ -410,5 +410,12 @@ def _reducer():
 def island_mean(metrics: dict) -> dict:
     """The islands' [I] metrics as one value each: the mean (all for "finite",
     the sum for "skipped"), in a small program of its own (the inner step sends
-    nothing across islands)."""
+    nothing across islands; this one does, every step: the islands agree on
+    whether a step was finite, so that all stop together)."""
     return _reducer()(metrics)
+
+
+def island_mean_bytes(metrics: dict, mesh) -> float:
+    """Bytes one device sends across islands (AXIS) in `island_mean(metrics)`,
+    read from its compiled program."""
+    return float(wire.measure(_reducer(), metrics, mesh=mesh).by_axis().get(AXIS, 0.0))

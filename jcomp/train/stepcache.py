@@ -74,6 +74,19 @@ class StepCache:
         return float(np.mean([float(self._one(self._eval[phase](
             params, global_batch(self.mesh, b, rows)))) for b in val_batches]))
 
+    def val_bytes_across(self, params, val_batches) -> float:
+        """Bytes one device sends across islands (outer.AXIS) in one exact
+        `val_loss` of an outer run: each batch's eval step and the mean of its
+        island losses, read from their compiled programs."""
+        self.val_loss(None, params, val_batches[:1])  # compiles the exact eval step
+        rows = self.run.train.batch_size
+        batch = global_batch(self.mesh, val_batches[0], rows)
+        per_batch = wire.measure(self._eval[None], params, batch,
+                                 mesh=self.mesh).by_axis().get(outer.AXIS, 0.0)
+        loss = self._eval[None](params, batch)
+        per_batch += outer.island_mean_bytes({"loss": loss}, self.mesh)
+        return float(per_batch) * len(val_batches)
+
     def _one(self, loss):
         """An outer run's [I] island losses -> their mean (each island's over its
         share of the rows: the whole batch's mean loss where the islands agree)."""

@@ -69,8 +69,10 @@ def full(tmp_path_factory):
 def test_syncs_are_logged_with_their_bytes_and_time(full):
     """Steps 4 and 8 synced: outer_sync_s, outer_bytes_per_sync (> 0, read from the
     compiled sync) and outer_bytes_per_step = per sync / H; no inner step sends
-    anything across islands (no wire_bytes_dcn on the first record). The start
-    text and the closing line say what crosses between islands per step."""
+    anything across islands (no wire_bytes_dcn on the first record); with the
+    islands' metrics and the evaluations, every byte across islands per inner
+    step is counted on the first record. The start text and the closing line
+    say what crosses between islands per step."""
     recs = records(full)
     assert sorted(s for s, r in recs.items() if "outer_sync_s" in r) == [4, 8]
     for s in (4, 8):
@@ -81,13 +83,22 @@ def test_syncs_are_logged_with_their_bytes_and_time(full):
     assert recs[1].get("wire_bytes_dcn", 0) == 0 and "wire_bytes_total" in recs[1]
     assert recs[1]["outer_bytes_per_step"] == recs[4]["outer_bytes_per_step"]
     assert recs[1]["outer_state_bytes_per_device"] > 0
+    # Every byte across islands per inner step: the syncs, the islands' agreement
+    # on each step's metrics, and the evaluations (anchor and islands, every 4 steps).
+    first = recs[1]
+    assert first["outer_island_bytes_per_step"] > 0 and first["outer_eval_bytes_per_step"] > 0
+    assert first["outer_across_bytes_per_step"] == (first["outer_bytes_per_step"]
+                                                    + first["outer_island_bytes_per_step"]
+                                                    + first["outer_eval_bytes_per_step"])
     with open(full + ".stdout") as f:
         out = f.read()
     from jcomp.train.traffic import human
     per_step = human(recs[4]["outer_bytes_per_step"])
     assert f"({per_step} per inner step; the inner step sends 0 B across islands)" in \
         " ".join(out.split()), out
-    assert f"(+ {per_step}/step across islands, outer loop)" in out.splitlines()[-1]
+    across = human(first["outer_across_bytes_per_step"])
+    assert f"across islands per inner step: {across} per device (syncs {per_step}" in out
+    assert f"(+ {across}/step across islands, outer loop)" in out.splitlines()[-1]
 
 
 def test_kill_mid_interval_resumes_bit_for_bit(full, tmp_path):
