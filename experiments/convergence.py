@@ -455,6 +455,10 @@ def summarize(records: list[dict]) -> dict:
         wire_bytes_dcn=float(wire["wire_bytes_dcn"]) if "wire_bytes_dcn" in wire else None,
         outer_bytes_per_step=next((float(r["outer_bytes_per_step"]) for r in reversed(records)
                                    if "outer_bytes_per_step" in r), None),
+        # Every byte across islands per inner step (syncs, the per-step metrics
+        # agreement, evaluations), on runs that record it.
+        across_bytes_per_step=next((float(r["outer_across_bytes_per_step"]) for r in records
+                                    if "outer_across_bytes_per_step" in r), None),
         median_step_time_s=statistics.median(times) if times else None,
         ef_norm_ratio=statistics.median(ef_ratio) if ef_ratio else None,
         # The pre-clip gradient norm over the second half of training: noisier

@@ -75,9 +75,12 @@ def settings(runs: list[dict]) -> list[dict]:
 
 def _across(rows) -> float | None:
     """Bytes one device sends across the slow hop per (inner) step, mean over
-    seeds: an outer loop's syncs averaged over H, or an every-step two-hop run's
-    'dcn' messages; None for a run without two hops."""
-    vals = [r["outer_bytes_per_step"] if r.get("outer_bytes_per_step") is not None
+    seeds: an outer loop's every byte across islands where its runs recorded it
+    (syncs, the per-step metrics agreement, evaluations), else its syncs
+    averaged over H; or an every-step two-hop run's 'dcn' messages; None for a
+    run without two hops."""
+    vals = [r["across_bytes_per_step"] if r.get("across_bytes_per_step") is not None
+            else r["outer_bytes_per_step"] if r.get("outer_bytes_per_step") is not None
             else r.get("wire_bytes_dcn") for r in rows]
     return statistics.fmean(vals) if vals and all(v is not None for v in vals) else None
 
@@ -93,7 +96,9 @@ def across_table(sts: list[dict], table) -> list[str]:
         return []
     ref = next((st["across_bytes"] for st in rows if st["name"] == ACROSS_REFERENCE), None)
     return ["", "Across the slow hop (between the two halves of the data axis): bytes one "
-            "device sends per step, an outer loop's syncs averaged over its inner steps "
+            "device sends per step, an outer loop's every byte across islands per inner "
+            "step where its runs recorded it (outer_across_bytes_per_step: syncs, metrics, "
+            "evaluations), else its syncs averaged over its inner steps "
             f"(outer_bytes_per_step), against {ACROSS_REFERENCE}'s, the every-step run with "
             "nothing coded.", "",
             table(["setting", "bytes across per step", f"vs {ACROSS_REFERENCE}",

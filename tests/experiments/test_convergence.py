@@ -550,12 +550,16 @@ def test_the_outer_suite_reports_bytes_across_the_slow_hop_against_the_uncoded_t
         _fake_run(tmp_path, "baseline", steps, seed, 2.0)
         _fake_run(tmp_path, "hop_raw", steps, seed, 2.0, wire_bytes_dcn=5000.0)
         _fake_run(tmp_path, "outer_h10_int4rot", steps, seed, 2.02, outer_bytes_per_step=50.0)
+        # A run that counts every byte across islands: its total, not its syncs alone.
+        _fake_run(tmp_path, "outer_h10_sparseloco_packed_k256", steps, seed, 2.01,
+                  outer_bytes_per_step=8.0, outer_across_bytes_per_step=10.0)
     runs = conv.collect(str(tmp_path), steps, lambda spec, seed=0: [], seeds=[0, 1])
     sts = seeds_lib.settings(runs)
     by = {st["name"]: st for st in sts}
     assert by["baseline"]["across_bytes"] is None  # one hop: nothing is "across"
     assert by["hop_raw"]["across_bytes"] == 5000.0
     assert by["outer_h10_int4rot"]["across_bytes"] == 50.0
+    assert by["outer_h10_sparseloco_packed_k256"]["across_bytes"] == 10.0
     text = "\n".join(seeds_lib.across_table(sts, report.table))
     row = next(line for line in text.splitlines() if line.startswith("| outer_h10_int4rot"))
     assert "| 0.0100 | 100x | +1.00 |" in row
