@@ -39,7 +39,7 @@ RESTARTS_FILE = "restarts.json"  # in a run's folder: each restart after a stuck
 # read; the rest of metrics.jsonl (rates, memory, the meter's mixed-axis keys)
 # no report uses.
 FIELDS = ("step", "loss", "val_loss", "val_loss_compressed", "grad_norm", "ef_norm",
-          "step_time_s", "skipped_updates", "outer_bytes_per_step",
+          "step_time_s", "skipped_updates", "outer_bytes_per_step", "outer_across_bytes_per_step",
           "wire_bytes_data", "wire_bytes_tensor", "wire_bytes_pipeline", "wire_bytes_dcn",
           "wire_bytes_total")
 
