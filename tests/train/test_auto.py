@@ -291,9 +291,21 @@ def test_budget_outer_is_parsed_apart_from_the_codec_kinds():
     assert auto.parse_budget("grad=int8,outer=10") == {"grad": "int8", "outer": 10}
     assert auto.codec_budget({"grad": "int8", "outer": 10}) == {"grad": "int8"}
     assert auto.codec_budget({"outer": 10}) is None
-    for bad in ("outer=1", "outer=x", "outer=-3"):
+    for bad in ("outer=1", "outer=x", "outer=-3", "outer=10:x"):
         with pytest.raises(runspec.UsageError, match=rf"^compression.budget='{bad}': outer="):
             auto.parse_budget(bad)
+
+
+def test_budget_outer_beyond_the_measured_interval_needs_an_opt_in():
+    """The outer loop's loss rests on H=10 (and H=50, much worse): H up to 10 is
+    admitted, a larger H only as outer=H:extrapolate, and the refusal names the
+    evidence and the opt-in."""
+    assert auto.parse_budget(f"outer={auto.MEASURED_OUTER_H}") == {"outer": auto.MEASURED_OUTER_H}
+    assert auto.parse_budget("outer=4") == {"outer": 4}
+    with pytest.raises(runspec.UsageError, match=r"outer=11 is beyond the interval .*"
+                                                 r"H=10: \+2.16% .* outer=11:extrapolate"):
+        auto.parse_budget("outer=11")
+    assert auto.parse_budget("grad=int8,outer=50:extrapolate") == {"grad": "int8", "outer": 50}
 
 
 @pytest.mark.slow
