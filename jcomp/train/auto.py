@@ -381,12 +381,11 @@ def _by_trial(cfg, s: dict, mesh, rows, flat: dict, others: dict) -> dict:
     n = len(mesh.devices.flat)
     with trial.Signals() as signals:
         def time_of(d):
-            # An outer loop's trial times its inner steps; its syncs are
-            # priced per step by the model (the entry OUTER_ENTRY).
+            # An outer loop's trial times its inner steps and its syncs
+            # (trial.sync_seconds), per inner step.
             cand = validate(with_policy(cfg, d), n)
             on = mesh_lib.make_mesh(cand.mesh_shape, dcn_data=cand.mesh_split())
-            sync = d["entries"][OUTER_ENTRY]["seconds"] if d.get("outer") else 0.0
-            return trial.step_seconds(cand, on, rows, s["trial"], stop=signals.agreed) + sync
+            return trial.step_seconds(cand, on, rows, s["trial"], stop=signals.agreed)
         try:
             return weigh_by_trial(flat, others, time_of, s["trial"])
         except trial.Stopped:

@@ -101,7 +101,7 @@ class Signals:
 
 def step_seconds(run, mesh, rows, steps: int, warmup: int = 1, stop=None) -> float:
     """Median seconds of `steps` train steps of `run` on `mesh` (an outer loop's
-    inner steps, without its syncs), after `warmup`
+    inner steps, plus its syncs timed: `sync_seconds`), after `warmup`
     steps (the first pays for page faults and lazy buffers; the compile is
     before any), the steps being of `run`'s last phase (the one it trains in
     longest) on this process's `rows` [B / processes, L + 1]. `stop`: a callable
@@ -122,9 +122,10 @@ def step_seconds(run, mesh, rows, steps: int, warmup: int = 1, stop=None) -> flo
     make_params = resume.init_params(run)
     shapes = jax.eval_shape(make_params)
     tx = run.optim.tx(run.train.steps)
-    # An outer loop's inner step takes the state less its outer part (the loop's
-    # syncs are not timed here: compression.auto prices them per step).
-    state = outer.inner_state(resume.init_state(run, make_params(), mesh, tx, shapes))
+    # An outer loop's inner step takes the state less its outer part; its syncs
+    # are timed after the steps, on the state the steps left.
+    full = resume.init_state(run, make_params(), mesh, tx, shapes)
+    state = outer.inner_state(full)
     batch = global_batch(mesh, rows, run.train.batch_size)
     exe, _ = StepCache(run, mesh, tx, shapes).train(run.phases[-1][1], state, batch)
     check()
@@ -135,7 +136,33 @@ def step_seconds(run, mesh, rows, steps: int, warmup: int = 1, stop=None) -> flo
         jax.block_until_ready(m["loss"])  # waits for the step (per island in an outer loop)
         times.append(time.perf_counter() - t0)
         check()
+    seconds = statistics.median(times[warmup:])
+    if run.outer:
+        seconds += sync_seconds(run, mesh, shapes, tx, {**state, "outer": full["outer"]},
+                                max(1, min(steps, SYNC_REPEATS)), check)
     # Process 0's figure on every process: the trials' choice must be one.
-    [seconds] = tune.agree([statistics.median(times[warmup:])])
+    [seconds] = tune.agree([seconds])
     return seconds
+
+
+SYNC_REPEATS = 3  # an outer candidate's syncs timed per fragment, after one untimed
+
+
+def sync_seconds(run, mesh, shapes, tx, state, repeats: int, check=lambda: None) -> float:
+    """Seconds per inner step of an outer loop's syncs: each fragment's sync run
+    1 + `repeats` times on `state` (the first pays for its compile's lazy
+    buffers), the median of the rest, summed over fragments, over the interval
+    outer.every. A delayed start (outer.delay) is timed as the blocking sync it
+    overlaps: an upper bound."""
+    syncs = outer.Syncs(run, mesh, shapes, tx)
+    syncs.prepare(state)
+    total = 0.0
+    for f in range(run.outer.fragments):
+        times = []
+        for r in range(1 + repeats):
+            state, sec = syncs.run_sync(f, state, r)
+            times.append(sec)
+            check()
+        total += statistics.median(times[1:])
+    return total / run.outer.every
 

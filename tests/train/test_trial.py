@@ -58,3 +58,29 @@ def test_a_stop_is_answered_before_the_compile_and_between_steps():
         flag.requested = True
         with trial.Signals() as signals:
             assert signals.agreed() and not signals.seen
+
+
+@pytest.mark.slow
+def test_an_outer_candidate_is_timed_with_its_syncs(monkeypatch):
+    """An outer loop's trial times its inner steps and its syncs, per inner step:
+    the sync's own seconds (each fragment's median of 3 after one untimed, over
+    outer.every) are added to the steps', where the model used to price them."""
+    cfg = tiny_config()
+    cfg.mesh.dcn_data = 2
+    cfg.outer.update(every=4, codec="int8", fragments=2)
+    run = runspec.validate(cfg, 8)
+    mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
+    rows = np.random.default_rng(0).integers(
+        0, run.model.vocab_size, (run.train.batch_size, run.data.seq_len + 1), np.int32)
+    seen = []
+    real = trial.sync_seconds
+
+    def spy(*args, **kw):
+        seen.append(real(*args, **kw))
+        return seen[-1]
+
+    monkeypatch.setattr(trial, "sync_seconds", spy)
+    with_syncs = trial.step_seconds(run, mesh, rows, steps=2)
+    assert len(seen) == 1 and 0.0 < seen[0] < 60.0
+    monkeypatch.setattr(trial, "sync_seconds", lambda *a, **k: 1000.0)
+    assert trial.step_seconds(run, mesh, rows, steps=2) >= 1000.0 > with_syncs
