@@ -358,17 +358,18 @@ def _int_rot_decoder(bits: int, block: int):
 # conversions run 2-5x slower than an elementwise pass; these agree with them
 # bit for bit on the values Fp8 codes (tested exhaustively on the codes).
 
-def _e4m3_bits(v):
+def _e4m3_bits(v, rnd=jnp.round):
     """float8_e4m3fn bits (uint8) of float32 v, rounded to nearest even.
 
     Requires finite |v| <= 448 (Fp8 clips and codes non-finite blocks apart).
+    `rnd`: jnp.round, or `_round_even` inside a Triton kernel.
     """
     mag = jnp.abs(v)
     b = jax.lax.bitcast_convert_type(mag, jnp.uint32)
     # Normal range: keep 3 of 23 mantissa bits, ties to even; a carry rolls
     # into the exponent. Then rebias the exponent from 127 to 7.
     normal = ((b + (0x7FFFF + ((b >> 20) & 1))) >> 20) - (120 << 3)
-    subnormal = jnp.round(mag * 512.0).astype(jnp.uint32)  # multiples of 2**-9
+    subnormal = rnd(mag * 512.0).astype(jnp.uint32)  # multiples of 2**-9
     code = jnp.where(mag < 2.0**-6, subnormal, normal)
     sign = (jax.lax.bitcast_convert_type(v, jnp.uint32) >> 31) << 7
     return (code | sign).astype(jnp.uint8)

@@ -24,10 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jcomp.codecs import rotation
 from jcomp.codecs.base import Payload, _check_float, _numel, _rows_shape
 from jcomp.codecs.blockwise import (_block_absmax, _check_block, _e4m3_bits, _e4m3_values,
-                                    _from_blocks, _pack, _to_blocks, _unpack)
-from jcomp.codecs.rotation import rotate, unrotate
+                                    _from_blocks, _pack, _pieces_absmax, _round_even,
+                                    _to_blocks, _unpack)
+from jcomp.codecs.rotation import _rotate, _unrotate, rotate, unrotate
 from jcomp.codecs.spec import _join
 
 E2M1_MAX = 6.0
@@ -49,13 +51,14 @@ def _from_bits(b):
 # ------------------------------------------------------------------ elements
 
 
-def _e2m1_bits(mag):
+def _e2m1_bits(mag, rnd=jnp.round):
     """4-bit E2M1 magnitude codes (uint32, 0-7) of float32 mag in [0, 6], to
     nearest, ties to even. Normal values (>= 1) keep 1 of 23 mantissa bits, as
-    blockwise._e4m3_bits keeps 3; below 1 the grid is 0, 0.5, 1."""
+    blockwise._e4m3_bits keeps 3; below 1 the grid is 0, 0.5, 1. `rnd`:
+    jnp.round, or blockwise._round_even inside a Triton kernel."""
     b = _bits(mag)
     normal = ((b + (0x1FFFFF + ((b >> 22) & 1))) >> 22) - (126 << 1)
-    subnormal = jnp.round(mag * 2.0).astype(jnp.uint32)
+    subnormal = rnd(mag * 2.0).astype(jnp.uint32)
     return jnp.where(mag < 1.0, subnormal, normal)
 
 
@@ -82,7 +85,7 @@ def _stochastic_grid(mag, u, mbits: int, emin: int):
     return jnp.floor(mag * inv + u) * step
 
 
-def _element_codes(v, bits: int, u):
+def _element_codes(v, bits: int, u, rnd=jnp.round):
     """Codes of scaled values v (float32, finite) in E2M1 (bits=4, as uint32) or
     E4M3 (bits=8, as uint8), saturating at the format's largest value, rounded
     to nearest or, given uniform draws u, stochastically."""
@@ -91,8 +94,8 @@ def _element_codes(v, bits: int, u):
     if u is not None:
         mag = _stochastic_grid(mag, u, mbits, emin)
     if bits == 8:
-        return _e4m3_bits(jnp.where(v < 0, -mag, mag))
-    return _e2m1_bits(mag) | jnp.where(v < 0, 8, 0).astype(jnp.uint32)
+        return _e4m3_bits(jnp.where(v < 0, -mag, mag), rnd)
+    return _e2m1_bits(mag, rnd) | jnp.where(v < 0, 8, 0).astype(jnp.uint32)
 
 
 def _element_values(code, bits: int):
@@ -160,12 +163,66 @@ class _Microscaled:
         x = jnp.asarray(x)
         _check_float(x, self.name)
         x_RxNBxBL = _to_blocks(x, self.block)
+        if self._fused(x_RxNBxBL.shape):
+            return rotation.on_gpu((x_RxNBxBL,), lambda v: self.encode_basis(_rotate(v)),
+                                   self.encode_gpu)
         return self.encode_basis(rotate(x_RxNBxBL) if self.rot else x_RxNBxBL, key=key)
 
     def decode(self, payload: Payload, shape, dtype):
         if self.rot:
+            nb = payload["scale"].shape[-1]
+            if self._fused(payload["scale"].shape + (self.block,)) and nb:
+                blocks = rotation.on_gpu((payload,), lambda p: _unrotate(self.decode_basis(p)),
+                                         self.decode_gpu)
+                return _from_blocks(blocks, None, shape, dtype)
             return self.from_basis(self.decode_basis(payload), shape, dtype)
         return _from_blocks(self.decode_basis(payload), None, shape, dtype)
+
+    # On a GPU a rotated codec codes in Pallas kernels, as IntQuant's do
+    # (jcomp.codecs.rotation, "the GPU form"): the rotation, the block scale and
+    # the packed codes of a block in registers. nvfp4's row scale needs the
+    # whole row's largest rotated block first: one kernel rotates and writes
+    # each block's absmax, XLA reduces those per row (1/16 of the elements),
+    # and a second kernel rotates again and codes. Rotating twice reads the
+    # input twice but never writes or re-reads the rotated blocks.
+
+    def _fused(self, blocks_shape) -> bool:
+        return (self.rot and not self.sr and blocks_shape[-1] % 2 == 0
+                and rotation.gpu_applies(blocks_shape, jnp.float32))
+
+    def encode_gpu(self, x_RxNBxBL, *, interpret: bool = False, tile=None) -> Payload:
+        """`encode_basis(_rotate(x))` in kernels; the same payload (`tile`:
+        rotation.rotate_gpu's)."""
+        lead, block = x_RxNBxBL.shape[:-2], self.block
+        n = math.prod(x_RxNBxBL.shape[:-1])
+        x_NxBL = x_RxNBxBL.reshape(n, block)
+        tile = tile or rotation.gpu_tile(n, block)
+        nbytes = block * self.bits // 8
+        if not self.row_scale:
+            q, code = rotation.kernel_call(
+                _fp_rot_encoder(self.bits, block, "mx"), x_NxBL, block, tile,
+                [((nbytes,), jnp.uint8), ((), jnp.uint8)], interpret=interpret)
+            return {"q": q.reshape(*lead, -1), "scale": code.reshape(x_RxNBxBL.shape[:-1])}
+        (amax,) = rotation.kernel_call(_fp_rot_encoder(self.bits, block, "amax"), x_NxBL, block,
+                                       tile, [((), jnp.float32)], interpret=interpret)
+        amax_RxNB = amax.reshape(x_RxNBxBL.shape[:-1])
+        scales, inv_RxNB = self._encode_scales(amax_RxNB)
+        # NaN marks a block that codes as zeros (one holding a NaN or Inf).
+        inv_RxNB = jnp.where(jnp.isfinite(amax_RxNB), inv_RxNB, jnp.nan)
+        (q,) = rotation.kernel_call(_fp_rot_encoder(self.bits, block, "scaled"), x_NxBL, block,
+                                    tile, [((nbytes,), jnp.uint8)],
+                                    extra=[(inv_RxNB.reshape(n), ())], interpret=interpret)
+        return {"q": q.reshape(*lead, -1), **scales}
+
+    def decode_gpu(self, payload: Payload, *, interpret: bool = False, tile=None):
+        """`_unrotate(decode_basis(payload))` as one kernel: float32 (*lead, NB, BL)."""
+        scale_RxNB, block = self._decode_scales(payload), self.block
+        n = math.prod(scale_RxNB.shape)
+        (x,) = rotation.kernel_call(
+            _fp_rot_decoder(self.bits, block), payload["q"].reshape(n, block * self.bits // 8),
+            block, tile or rotation.gpu_tile(n, block), [((block,), jnp.float32)],
+            extra=[(scale_RxNB.reshape(n), ())], interpret=interpret)
+        return x.reshape(*scale_RxNB.shape, block)
 
     def encode_basis(self, x_RxNBxBL, *, key=None) -> Payload:
         """`encode` of blocks already in the codec's basis (rotated if `rot`)."""
@@ -298,3 +355,86 @@ class NvFp4(_Microscaled):
 
     def _decode_scales(self, payload):
         return _e4m3_values(payload["scale"]) * payload["row"]
+
+
+# ------------------------------------------------------------ the GPU kernels
+#
+# A block is rotation.transform_pieces' pieces of W = min(BL, 32) elements.
+# Packed E2M1 puts codes j and j + BL/2 of a block in byte j: for BL > 32 those
+# are pieces k and k + BL/2W, for BL <= 32 the two halves of the one piece.
+
+
+def _fp_rot_encoder(bits: int, block: int, mode: str):
+    """Kernel on blocks, the steps of `encode_basis(_rotate(x))` on pieces.
+    mode "mx": -> packed codes, E8M0 scale codes; "amax": -> each block's
+    absmax; "scaled": (with 1/divisor per block, NaN for a block coded as
+    zeros) -> packed codes."""
+    width = min(block, rotation._LO)
+
+    def kernel(x_ref, s_ref, h_ref, *refs):
+        from jax.experimental import pallas as pl
+
+        pieces = rotation.transform_pieces(lambda lo, k: x_ref[:, pl.ds(lo, k)], s_ref, h_ref,
+                                           block, width, inverse=False)
+        if mode == "amax":
+            refs[0][...] = _pieces_absmax(pieces)
+            return
+        if mode == "mx":
+            amax = _pieces_absmax(pieces)
+            code = _e8m0_codes(amax, ELEMENTS[bits][2])
+            inv, finite = _e8m0_inverse(code), jnp.isfinite(amax)
+            q_ref, scale_ref = refs
+            scale_ref[...] = code
+        else:
+            inv_ref, q_ref = refs
+            inv = inv_ref[...]
+            finite = inv == inv
+        codes = [_element_codes(jnp.where(finite[:, None], p * inv[:, None], 0.0), bits, None,
+                                _round_even) for p in pieces]
+        if bits == 8:
+            for k, c in enumerate(codes):
+                q_ref[:, pl.ds(k * width, width)] = c
+        elif len(codes) == 1:
+            lo, hi = jax.lax.split(codes[0], (width // 2, width // 2), axis=1)
+            q_ref[...] = (lo | (hi << 4)).astype(jnp.uint8)
+        else:
+            half = len(codes) // 2
+            for j in range(half):
+                q_ref[:, pl.ds(j * width, width)] = (codes[j] | (codes[j + half] << 4)).astype(
+                    jnp.uint8)
+
+    return kernel
+
+
+def _fp_rot_decoder(bits: int, block: int):
+    """Kernel: packed codes and float32 block scales -> blocks,
+    `_unrotate(decode_basis(p))` on pieces."""
+    width = min(block, rotation._LO)
+    half = block // width // 2
+
+    def kernel(q_ref, s_ref, h_ref, scale_ref, o_ref):
+        from jax.experimental import pallas as pl
+
+        scale = scale_ref[...][:, None]
+
+        def load(lo, k):  # k == width: piece lo // width
+            if bits == 8:
+                return _element_values(q_ref[:, pl.ds(lo, k)], 8) * scale
+            if half == 0:  # the piece's two halves share its bytes
+                # Each byte twice, then each half's nibble: joining two decoded
+                # halves (stack, transpose) let XLA:CPU fold the transpose
+                # into the product's contraction, which sums in another order.
+                b = q_ref[...]
+                b = jnp.broadcast_to(b[:, None, :], (b.shape[0], 2, k // 2)).reshape(-1, k)
+                high = jax.lax.iota(jnp.int32, k) >= k // 2
+                shift = jnp.where(high, 4, 0).astype(jnp.uint8)[None, :]
+                return _element_values((b >> shift) & jnp.uint8(15), 4) * scale
+            j, part = (lo // width) % half, (lo // width) // half
+            b = q_ref[:, pl.ds(j * width, width)]
+            return _element_values((b >> 4) if part else (b & jnp.uint8(15)), 4) * scale
+
+        pieces = rotation.transform_pieces(load, s_ref, h_ref, block, width, inverse=True)
+        for k, p in enumerate(pieces):
+            o_ref[:, pl.ds(k * width, width)] = p
+
+    return kernel

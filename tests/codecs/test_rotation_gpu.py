@@ -35,6 +35,10 @@ def _data(shape, seed=0):
 @pytest.mark.parametrize("spec,shape", [
     ("int4:rot", (64, 256)), ("int8:rot", (32, 2, 256)), ("int2:rot", (64, 256)),
     ("int4:rot:block=64", (128, 64)), ("int4:rot:block=1024", (64, 1024)),
+    ("mxfp4:rot", (64, 256)), ("mxfp4:rot:block=16", (32, 2, 256)),
+    ("mxfp4:rot:block=128", (64, 256)), ("mxfp8:rot", (64, 256)),
+    ("mxfp8:rot:block=64", (64, 256)),
+    ("nvfp4:rot", (4, 1024)), ("nvfp4:rot:block=32", (8, 1024)), ("nvfp4:rot:block=64", (4, 2048)),
 ])
 def test_kernels_agree_with_xla_form_bit_for_bit(spec, shape):
     codec = codecs.parse(spec)
@@ -53,6 +57,20 @@ def test_kernels_agree_with_xla_form_bit_for_bit(spec, shape):
         y = jax.jit(lambda v: rotation.rotate_gpu(v, inverse=inverse, interpret=True,
                                                   tile=TILE))(x)
         np.testing.assert_array_equal(_bits(y), _bits(jax.jit(ref)(x)))
+
+
+def test_nvfp4_row_scale_spans_kernel_programs():
+    """A row of many programs' blocks: its scale comes from every block's absmax,
+    and a row whose blocks all hold NaN or Inf codes as the XLA form does."""
+    codec = codecs.parse("nvfp4:rot")
+    x = _data((3, 4096), seed=1)
+    x[0, 4000] = 1e30  # the row's largest block sits in its last program
+    x[1, :] = np.inf
+    blocks = _to_blocks(jnp.asarray(x), codec.block)
+    want = jax.jit(lambda v: codec.encode_basis(_rotate(v)))(blocks)
+    got = jax.jit(lambda v: codec.encode_gpu(v, interpret=True, tile=TILE))(blocks)
+    for k in want:
+        np.testing.assert_array_equal(_bits(got[k]), _bits(want[k]))
 
 
 def test_round_even_is_jnp_round():
@@ -85,3 +103,6 @@ def test_where_the_kernels_apply():
     assert not codecs.parse("int4:rot:block=32")._fused((64, 32))
     assert codecs.parse("int8:rot:block=32")._fused((64, 32))
     assert not codecs.parse("int4")._fused((64, 256))
+    assert codecs.parse("mxfp4:rot")._fused((64, 32)) and codecs.parse("nvfp4:rot")._fused((64, 16))
+    assert not codecs.parse("mxfp4:rot:block=8")._fused((64, 8))  # Triton's dot: 16
+    assert not codecs.parse("nvfp4:rot:sr")._fused((64, 16)) and not codecs.parse("mxfp4")._fused((64, 32))
