@@ -8,7 +8,12 @@ without devices: message plans and sizes from shapes only, nothing compiled.
 Prints per (mesh axis, kind) the link, the codec chosen, the bytes per step
 raw -> coded and the predicted communication time vs uncompressed, beside the
 hybrid_paper preset's codec and predicted time (Xu et al.'s hybrid), then the
-totals. --devices is the machine the config's mesh is resolved for (a size of
+totals against two baselines: jcomp's own uncompressed step (float32
+gradients and master parameters, the embedding and head on every pipeline
+stage, the pipeline's output all-reduce), and a standard bf16 step sending
+the same model (`standard_bf16`: bf16 gradients and parameters, the embedding
+on the first stage and the head on the last, no output all-reduce), so that
+auto's saving is not partly one a bf16 setup has already. --devices is the machine the config's mesh is resolved for (a size of
 -1 takes the rest): 192, the paper's GPU count, by default. Exit 2 with one
 line on bad input.
 """
@@ -102,9 +107,65 @@ def plan_text(cfg, profile, n_devices: int, budget, overlap: float) -> str:
                  f"auto {now * 1e3:.4g} ms, "
                  f"hybrid_paper {hp * 1e3:.4g} ms, uncompressed {raw * 1e3:.4g} ms "
                  f"(auto {now / raw:.2f}x, hybrid_paper {hp / raw:.2f}x of uncompressed)")
+    std = math.fsum(tune.predict(profile, axis, t, "none", overlap)
+                    for (axis, _), t in standard_bf16(run).items())
+    lines.append(f"baselines: uncompressed = jcomp's step (float32 gradients and masters, "
+                 f"embedding and head on every stage, output all-reduce) {raw * 1e3:.4g} ms; "
+                 f"standard bf16 step (bf16 gradients and parameters, embedding and head "
+                 f"on one stage each) {std * 1e3:.4g} ms: auto {now / std:.2f}x, "
+                 f"hybrid_paper {hp / std:.2f}x of standard bf16")
     lines.append("Bytes from shapes (jcomp.train.stepbytes); times from the profile "
                  "(jcomp.tune.choose's model); compute, congestion and loss are not modelled.")
     return "\n".join(lines)
+
+
+# The messages a standard pipeline step does not send: jcomp's last stage
+# all-reduces its output over the pipeline axis (and its gradient back), where
+# a standard step keeps the loss on the last stage.
+_OUTPUT_SUMS = ("last_stage_sum", "first_stage_grad")
+# Sent by the stage holding the embedding (or head) only, in a standard step.
+_ONE_STAGE = ("embed_sum", "head_entry_grad")
+
+
+def standard_bf16(run) -> dict:
+    """{(mesh axis, kind): tune.Traffic} of a standard bf16 step of `run`'s model
+    and mesh (uncompressed): gradients reduced and parameters gathered in bf16,
+    the leaves jcomp keeps on every pipeline stage (embedding, head, final norm)
+    on one stage each, no pipeline output all-reduce; tensor and pipeline sends
+    as jcomp's. Per device per step, averaged over the mesh as
+    jcomp.train.stepbytes counts."""
+    import dataclasses
+
+    from jcomp.train import stepbytes
+    p = run.plan_sizes().get("pipeline", 1)
+    groups = stepbytes.param_groups(run)
+    staged = sum(b for axes, b in groups.items() if "pipeline" in axes)
+    everywhere = sum(b for axes, b in groups.items() if "pipeline" not in axes)
+    # bf16 instead of float32, and each everywhere-leaf on 1 of p stages.
+    data_share = 0.5 * (staged + everywhere / p) / (staged + everywhere) \
+        if staged + everywhere else 0.0
+    per = stepbytes.by_message(run)
+    plan = run.plan(run.phases[-1][1])
+    entry = {m.name: m.entry for m in plan.messages()}
+    jcomp_msgs = stepbytes.by_entry(run)
+    sums: dict = {}
+    for name, (nbytes, count, _, _) in per.items():
+        key = tuple(entry[name].partition(".")[::2])
+        if name in _OUTPUT_SUMS:
+            nbytes, count = 0.0, 0.0
+        elif name in _ONE_STAGE:
+            nbytes, count = nbytes / p, count / p
+        elif key[0] in ("data", "dcn"):
+            nbytes = nbytes * data_share
+        b, c = sums.get(key, (0.0, 0.0))
+        sums[key] = (b + nbytes, c + count)
+    out = {}
+    for key, (nbytes, count) in sums.items():
+        t = jcomp_msgs[key]
+        dtype = "bfloat16" if key[0] in ("data", "dcn") else t.dtype
+        out[key] = dataclasses.replace(t, raw_bytes=float(nbytes), collectives=float(count),
+                                       dtype=dtype)
+    return out
 
 
 def _h(n):

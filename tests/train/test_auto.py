@@ -496,6 +496,35 @@ def test_neox20b_is_planned_from_shapes_on_more_devices_than_exist():
     assert msgs["tensor", "act"].dtype == "bfloat16" and msgs["tensor", "act"].row == 6144
 
 
+def test_plan_states_a_standard_bf16_step_beside_jcomps_own():
+    from configs import neox20b
+    from jcomp.train import plan
+    cfg = neox20b.get_config()
+    run = runspec.validate(auto.uncompressed(cfg), 192)
+    mine, std, per = stepbytes.by_entry(run), plan.standard_bf16(run), stepbytes.by_message(run)
+    # bf16 gradients, the embedding and head on one of the 4 stages each.
+    d, f, n_layers, vocab = 6144, 24576, 44, 50432
+    layers, embed = n_layers * (4 * d * d + 2 * d * f), 2 * vocab * d
+    expected = (layers / 16 + embed / 4 / 4) * 2 * 11 / 12
+    for kind in ("grad", "param"):
+        assert std["data", kind].raw_bytes == pytest.approx(expected, rel=0.01)
+        assert std["data", kind].dtype == "bfloat16"
+        assert std["data", kind].collectives == mine["data", kind].collectives
+    # No output all-reduce over the pipeline: only the stages' sends.
+    assert std["pipeline", "act"].raw_bytes == pytest.approx(per["stage_send"][0])
+    assert std["pipeline", "act_grad"].raw_bytes == pytest.approx(per["stage_send_grad"][0])
+    # The embedding's tensor all-reduce runs on its stage only.
+    assert std["tensor", "act"].raw_bytes == pytest.approx(
+        mine["tensor", "act"].raw_bytes - per["embed_sum"][0] * 3 / 4)
+    prof = tune.load(H100)
+    text = plan.plan_text(cfg, prof, 192, {}, 0.0)
+    (line,) = [l for l in text.splitlines() if l.startswith("baselines:")]
+    std_s = sum(tune.predict(prof, a, t, "none", 0.0) for (a, _), t in std.items())
+    raw_s = sum(tune.predict(prof, a, t, "none", 0.0) for (a, _), t in mine.items())
+    assert f"{raw_s * 1e3:.4g} ms" in line and f"standard bf16" in line
+    assert f"{std_s * 1e3:.4g} ms" in line and std_s < raw_s
+
+
 # ------------------------------------------------------------------ the CLIs
 
 def _cli(*args, timeout=120):
