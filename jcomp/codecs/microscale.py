@@ -216,13 +216,24 @@ class _Microscaled:
 
     def decode_gpu(self, payload: Payload, *, interpret: bool = False, tile=None):
         """`_unrotate(decode_basis(payload))` as one kernel: float32 (*lead, NB, BL)."""
-        scale_RxNB, block = self._decode_scales(payload), self.block
-        n = math.prod(scale_RxNB.shape)
+        code_RxNB, block = payload["scale"], self.block
+        shape, nb = code_RxNB.shape, code_RxNB.shape[-1]
+        n = math.prod(shape)
+        # The kernel reads the scale codes, and nvfp4's row scale once per
+        # program where a program's blocks lie in one row; else XLA writes
+        # each block's float32 scale first.
+        tile = (tile or (self.row_scale and rotation.gpu_tile(nb, block))
+                or rotation.gpu_tile(n, block))
+        if not self.row_scale:
+            extra, mode = [(code_RxNB.reshape(n), ())], "code"
+        elif nb % tile == 0:
+            extra, mode = [(code_RxNB.reshape(n), ()), (payload["row"].reshape(-1), nb)], "row"
+        else:
+            extra, mode = [(self._decode_scales(payload).reshape(n), ())], "scale"
         (x,) = rotation.kernel_call(
-            _fp_rot_decoder(self.bits, block), payload["q"].reshape(n, block * self.bits // 8),
-            block, tile or rotation.gpu_tile(n, block), [((block,), jnp.float32)],
-            extra=[(scale_RxNB.reshape(n), ())], interpret=interpret)
-        return x.reshape(*scale_RxNB.shape, block)
+            _fp_rot_decoder(self.bits, block, mode), payload["q"].reshape(n, block * self.bits // 8),
+            block, tile, [((block,), jnp.float32)], extra=extra, interpret=interpret)
+        return x.reshape(*shape, block)
 
     def encode_basis(self, x_RxNBxBL, *, key=None) -> Payload:
         """`encode` of blocks already in the codec's basis (rotated if `rot`)."""
@@ -406,16 +417,24 @@ def _fp_rot_encoder(bits: int, block: int, mode: str):
     return kernel
 
 
-def _fp_rot_decoder(bits: int, block: int):
-    """Kernel: packed codes and float32 block scales -> blocks,
-    `_unrotate(decode_basis(p))` on pieces."""
+def _fp_rot_decoder(bits: int, block: int, mode: str):
+    """Kernel: packed codes and block scales -> blocks, `_unrotate(decode_basis(p))`
+    on pieces. The scales, by mode: "code" E8M0 codes; "row" E4M3 codes and
+    the program's row scale; "scale" float32 block scales."""
     width = min(block, rotation._LO)
     half = block // width // 2
 
-    def kernel(q_ref, s_ref, h_ref, scale_ref, o_ref):
+    def kernel(q_ref, s_ref, h_ref, *refs):
         from jax.experimental import pallas as pl
 
-        scale = scale_ref[...][:, None]
+        o_ref = refs[-1]
+        if mode == "code":
+            scale = _e8m0_values(refs[0][...])
+        elif mode == "row":
+            scale = _e4m3_values(refs[0][...]) * refs[1][...]
+        else:
+            scale = refs[0][...]
+        scale = scale[:, None]
 
         def load(lo, k):  # k == width: piece lo // width
             if bits == 8:

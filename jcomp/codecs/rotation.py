@@ -150,7 +150,9 @@ def _varying_like(c, x):
 def kernel_call(kernel, x_NxBL, block: int, tile: int, outs, *, extra=(), interpret=False):
     """pallas_call of kernel(x_ref, signs_ref, h_ref, *extra_refs, *out_refs) over
     programs of `tile` rows of x_NxBL (N rows of BL). `outs`: (shape per row,
-    dtype) of each output; `extra`: (array, shape per row) row-blocked inputs."""
+    dtype) of each output; `extra`: (array, shape per row) row-blocked inputs,
+    or (array, n) for a 1-D array read one element per program, the one at
+    program * tile // n (a value per coded row of n blocks)."""
     pl, pltriton = _pallas()
     n = x_NxBL.shape[0]
     lo = min(block, _LO)
@@ -161,7 +163,10 @@ def kernel_call(kernel, x_NxBL, block: int, tile: int, outs, *, extra=(), interp
 
     consts = [_varying_like(_rot_signs(block), x_NxBL), _varying_like(_hadamard(lo), x_NxBL)]
     in_specs = [rows((x_NxBL.shape[1],)), pl.BlockSpec((block,), lambda i: (0,)),
-                pl.BlockSpec((lo, lo), lambda i: (0, 0))] + [rows(t) for _, t in extra]
+                pl.BlockSpec((lo, lo), lambda i: (0, 0))]
+    for _, t in extra:
+        in_specs.append(rows(t) if isinstance(t, tuple) else
+                        pl.BlockSpec((1,), lambda i, per=t: (i * tile // per,)))
     return pl.pallas_call(
         kernel, grid=(n // tile,), in_specs=in_specs,
         out_specs=[rows(tail) for tail, _ in outs],
