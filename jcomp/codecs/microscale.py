@@ -206,6 +206,8 @@ class _Microscaled:
         (amax,) = rotation.kernel_call(_fp_rot_encoder(self.bits, block, "amax"), x_NxBL, block,
                                        tile, [((), jnp.float32)], interpret=interpret)
         amax_RxNB = amax.reshape(x_RxNBxBL.shape[:-1])
+        # The block scales take two divisions: left to XLA, they round as the
+        # XLA form's do (Triton may lower a float32 division to an approximate one).
         scales, inv_RxNB = self._encode_scales(amax_RxNB)
         # NaN marks a block that codes as zeros (one holding a NaN or Inf).
         inv_RxNB = jnp.where(jnp.isfinite(amax_RxNB), inv_RxNB, jnp.nan)
