@@ -28,6 +28,11 @@ def test_tiny_form_runs_on_cpu_and_records_every_part(tmp_path):
     assert 0 < by_codec["int8"]["rel_err"] < 0.02 and 0 < by_codec["bf16"]["rel_err"] < 0.01
     for r in res["codecs"]:
         assert r["encode_gb_s"] == 4 * n / r["encode_s"] / 1e9 and r["decode_gb_s"] > 0
+    # The H100 compile's psum, timed beside its prediction (jcomp.tune.compiled).
+    psum = {r["codec"]: r for r in res["psum"]["rows"]}
+    assert set(psum) == {"none", "bf16", "int8"} and res["psum"]["devices"] == 8
+    assert all(r["time_s"] > 0 and r["predicted_psum_s"] > 0 for r in psum.values())
+    assert psum["none"]["predicted_codec_s"] == 0 < psum["int8"]["predicted_codec_s"]
     col = res["collectives"]
     assert col["mesh"] == {"data": 2, "tensor": 2, "pipeline": 2}
     rows = {(r["op"], r["codec"]): r for r in col["rows"]}
