@@ -73,6 +73,7 @@ NEOX_LAYERS = 8
 NEOX_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _GEMM_TARGETS = re.compile(r"gemm|cublas", re.I)
+_GEMM_FUSIONS = re.compile(r"__triton_(nested_)?gemm|__cublas")
 
 
 # ---------------------------------------------------------------- the step
@@ -141,7 +142,7 @@ def _kernel(instr, names, comps) -> dict | None:
     base = op.removesuffix("-start")
     collective = base in aot._COLLECTIVES or op == "async-start"
     target = re.search(r'custom_call_target="([^"]+)"', instr.attrs)
-    gemm = (op == "fusion" and bool(re.search(r"__triton_(nested_)?gemm|__cublas", instr.attrs))) or (
+    gemm = (op == "fusion" and bool(_GEMM_FUSIONS.search(instr.attrs))) or (
         op == "custom-call" and target is not None and bool(_GEMM_TARGETS.search(target.group(1))))
     return dict(name=instr.name, opcode=op, collective=collective, gemm=bool(gemm),
                 is_async=op.endswith("-start"), kind=base,
@@ -360,13 +361,43 @@ def _print(run: str, pol: str, r: dict):
           flush=True)
 
 
+def table(out: dict) -> str:
+    """The docs table of an aot_step JSON: per run and policy, GiB per step per device."""
+    g = 2**30
+    head = ("run", "policy", "kernel I/O", "codec I/O", "x step", "wire", "wire saved",
+            "codec I/O / wire saved", "async (sync)", "overlap gemm / other / nothing")
+    rows = [head]
+    for name, runs in out["runs"].items():
+        for pol, r in runs.items():
+            at = "_at_44" if "kernel_io_at_44" in r else ""
+            kio, wire_b = r[f"kernel_io{at}"], r[f"wire_bytes{at}"]
+            cio, saved = r.get(f"codec_io{at}"), r.get(f"wire_saved{at}")
+            o = r["overlap"]
+            label = name + (" (44 layers, from {} and {})".format(*r["scaled_from_layers"])
+                            if at else "")
+            rows.append((label, pol,
+                         f"{kio / g:.4g}", "-" if cio is None else f"{cio / g:.4g}",
+                         "-" if cio is None else f"{cio / kio:.1%}", f"{wire_b / g:.4g}",
+                         "-" if saved is None else f"{saved / g:.4g}",
+                         "-" if not saved else f"{cio / saved:.2f}",
+                         f"{r['async_collectives']} ({r['sync_collectives']})",
+                         f"{o['with_gemm']} / {o['with_kernels_only']} / {o['with_nothing']}"))
+    return "\n".join("| " + " | ".join(r) + " |" + ("\n|" + "---|" * len(head) if i == 0 else "")
+                     for i, r in enumerate(rows))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
     p.add_argument("--neox-layers", type=int, default=NEOX_LAYERS)
     p.add_argument("--json", default=os.path.join("benchmarks", "results", "aot_step_h100.json"))
     p.add_argument("--hlo-dir", help="also write each optimized HLO module here")
+    p.add_argument("--table", metavar="JSON", help="print the docs table of a written JSON")
     args = p.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)))
+        return 0
     try:
         if args.neox_layers < 4 or args.neox_layers % 4:
             raise ValueError(f"--neox-layers={args.neox_layers}: a multiple of 4 "
