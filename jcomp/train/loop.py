@@ -255,7 +255,8 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                         if run.outer.delay:  # compiled now, not inside a carrying step
                             syncs.prepare_carried(phase, steps, state, batch)
                         bar.write(syncs.start_line(report.by_axis().get(outer_lib.AXIS, 0.0)))
-                        across = _across(run, steps, syncs, state, m_islands, val, mesh)
+                        across = _across(run, steps, syncs, state, m_islands, val, mesh,
+                                         2 + steps.forward_compressed(phase))
                         record.update(across)
                         bar.write(_across_line(record))
                         record["outer_state_bytes_per_device"] = \
@@ -311,14 +312,16 @@ def _mesh_sizes(run) -> dict:
     return run.plan_sizes()
 
 
-def _across(run, steps: StepCache, syncs, state, m_islands, val, mesh) -> dict:
+def _across(run, steps: StepCache, syncs, state, m_islands, val, mesh, evals_each: int) -> dict:
     """Every byte one device sends across islands per inner step of an outer
     run, read from the compiled programs: the syncs (averaged over their
-    interval), the islands' agreement on each step's metrics, and the exact
-    evaluations of the anchor and of the islands (averaged over eval_every)."""
+    interval), the islands' agreement on each step's metrics, and the
+    `evals_each` evaluations at each eval step (the anchor's and the islands'
+    exact ones, and the compressed forward's where the phase codes one; each
+    crosses as the exact one does), averaged over eval_every."""
     island = outer_lib.island_mean_bytes(m_islands, mesh)
-    evals = (2 * steps.val_bytes_across(syncs.global_params(state), val) / run.train.eval_every
-             if val else 0.0)
+    evals = (evals_each * steps.val_bytes_across(syncs.global_params(state), val)
+             / run.train.eval_every if val else 0.0)
     sync = syncs.bytes_per_step()
     return {"outer_bytes_per_step": sync, "outer_island_bytes_per_step": island,
             "outer_eval_bytes_per_step": evals,
