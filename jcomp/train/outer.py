@@ -41,8 +41,8 @@ after its step, in the next step's program, and is merged into the islands
 tau steps later (`jcomp.train.outerdelay`). With delay 0 the sync blocks, as
 without it.
 
-outer.codec="sparseloco[:k=K][:chunk=C][:beta=B]" is SparseLoCo
-(`jcomp.collectives.sparseloco`): chunked top-k, 2-bit values, a decaying
+outer.codec="sparseloco[:k=K][:chunk=C][:beta=B][:coder=packed|index]" is
+SparseLoCo (`jcomp.collectives.sparseloco`): chunked top-k, 2-bit values, a decaying
 residual per island, no outer momentum. config.outer is read in
 `jcomp.train.outerconfig`.
 """
