@@ -159,22 +159,6 @@ def cost_analysis(compiled) -> dict:
 
 # ---------------------------------------------------------------- reading HLO
 
-def _operands(instr) -> list[str]:
-    """Operand names of an instruction (operands may be printed with shapes)."""
-    parts, depth, cur = [], 0, ""
-    for ch in instr.attrs:
-        if ch in ")]}" and depth == 0:
-            parts.append(cur)
-            return [p.split()[-1].lstrip("%") for p in parts if p.strip()]
-        depth += (ch in "([{") - (ch in ")]}")
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    return [p.split()[-1].lstrip("%") for p in parts if p.strip()]
-
-
 def shape_bytes(shape) -> int:
     total = 0
     for dtype, dims, bits in hlo.leaves(shape):
@@ -194,7 +178,7 @@ def _param_reads(comp: list, number: int, full: int) -> int:
     by_name = {i.name: i for i in comp}
     users: dict[str, list] = {}
     for i in comp:
-        for o in _operands(i):
+        for o in hlo.operands(i):
             users.setdefault(o, []).append(i)
     param = next((i for i in comp if i.opcode == "parameter"
                   and re.match(rf"\s*{number}\)", i.attrs)), None)
@@ -204,7 +188,7 @@ def _param_reads(comp: list, number: int, full: int) -> int:
     while frontier:
         name = frontier.pop()
         for u in users.get(name, []):
-            if u.opcode in _SLICES and _operands(u)[0] == name:
+            if u.opcode in _SLICES and hlo.operands(u)[0] == name:
                 read += shape_bytes(u.shape)
             elif u.opcode in _VIEWS:
                 frontier.append(u.name)
@@ -215,7 +199,7 @@ def _param_reads(comp: list, number: int, full: int) -> int:
 
 
 def _kernel_io(instr, names: dict, comps: dict) -> int:
-    ops = _operands(instr)
+    ops = hlo.operands(instr)
     callee = _called(instr, "calls")
     fused = comps.get(callee[0]) if instr.opcode == "fusion" and callee else None
     io = shape_bytes(instr.shape)
@@ -352,11 +336,16 @@ def main(argv=None) -> int:
                       f"{row['flops_per_element']:7.1f} flop/elt, "
                       f"async {len(row['async_collectives'])} sync {len(row['sync_collectives'])}"
                       f"{', HOST CALLBACK' if row['host_callback'] else ''}", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1, allow_nan=False)
-    print(f"wrote {args.json}")
+    write_json(args.json, out)
     return 0
+
+
+def write_json(path: str, out: dict) -> None:
+    """A benchmark's results as JSON at `path` (no NaN or Inf), its folder made."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1, allow_nan=False)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

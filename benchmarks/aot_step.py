@@ -183,7 +183,7 @@ def read_step(text: str) -> dict:
         done_of = {}
         for pos, instr in enumerate(order):
             if instr.opcode.endswith("-done"):
-                ops = aot._operands(instr)
+                ops = hlo.operands(instr)
                 if ops:
                     done_of[ops[0]] = instr.name
         position = {i.name: p for p, i in enumerate(order)}
@@ -416,10 +416,7 @@ def main(argv=None) -> int:
         out["runs"]["base"] = run_base(devices, args.hlo_dir)
     if "neox20b" in args.runs:
         out["runs"]["neox20b"] = run_neox(big, args.neox_layers, args.hlo_dir)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1, allow_nan=False)
-    print(f"wrote {args.json}")
+    aot.write_json(args.json, out)
     return 0
 
 

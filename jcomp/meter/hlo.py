@@ -215,6 +215,11 @@ def _split_args(instr: Instr) -> tuple[list[str], str]:
     raise _Unknown(f"unbalanced operands of {instr.name}")
 
 
+def operands(instr: Instr) -> list[str]:
+    """The operand names (a constant's literal) of `instr`."""
+    return _split_args(instr)[0]
+
+
 def _attr(rest: str, key: str) -> str:
     m = re.search(rf"\b{key}=%?([\w.\-]+)", rest)
     if not m:

@@ -6,15 +6,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from benchmarks import aot, aot_step
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-NEEDS_PLUGIN = pytest.mark.skipif(
-    not aot.plugin_installed(),
-    reason=f"the CUDA plugin's compile-only H100 topology is not installed: {aot.PLUGIN_HINT}")
+from benchmarks import aot_step
+from tests.benchmarks.test_aot import NEEDS_PLUGIN, ROOT
 
 # A loop of 3 trips whose body overlaps an all-reduce with a gemm; after it, an
 # all-gather with nothing between its start and done.

@@ -9,16 +9,18 @@ scales added, shrunk to test size.
   `.at[ids].get(out_sharding=...)`; `jax.nn.dot_product_attention`; RMSNorm
   scales multiplied into the batch's activations; the batch placed with
   `jax.sharding.reshard`.
-- The step: `jax.value_and_grad(loss_fn)(params, batch)`, optax AdamW.
+- The step: `jax.value_and_grad(loss_fn)(params, batch)`, optax AdamW, as
+  explicit_step.py's (`make_step`, `optimizer`).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+
+from tests.collectives.explicit_step import make_step, optimizer  # noqa: F401  (the same step)
 
 VOCAB, D, HEADS, HEAD_DIM, F, LAYERS, L, BATCH = 64, 64, 4, 16, 256, 2, 8, 16
 
@@ -120,15 +122,3 @@ def plain_grads_of(params, batch):
     return jax.value_and_grad(loss_fn)(params, batch)
 
 
-def make_step(grads_of, tx):
-    """The step; `grads_of` is its one gradient line."""
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = grads_of(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-    return step
-
-
-def optimizer():
-    return optax.adamw(3e-3, weight_decay=0.01)
