@@ -64,27 +64,30 @@ class StepCache:
         """Mean loss over the local validation batches, each made global, through the
         forward messages of `phase`; phase None: the exact forward, every message
         uncompressed (the model as it is used after training)."""
+        rows = self.run.train.batch_size
+        return float(np.mean([float(self._one(self._eval_step(phase)(
+            params, global_batch(self.mesh, b, rows)))) for b in val_batches]))
+
+    def _eval_step(self, phase):
+        """`phase`'s jitted eval step (None: the exact forward), made once."""
         if phase not in self._eval:
             plan = self.exact_plan() if phase is None else self.run.plan(phase)
             self._eval[phase] = step.make_eval_step(
                 self.run.model, self.mesh, plan, self.shapes,
                 microbatches=self.run.train.microbatches,
                 **({"islands": outer.AXIS} if self.run.outer else {}))
-        rows = self.run.train.batch_size
-        return float(np.mean([float(self._one(self._eval[phase](
-            params, global_batch(self.mesh, b, rows)))) for b in val_batches]))
+        return self._eval[phase]
 
     def val_bytes_across(self, params, val_batches) -> float:
         """Bytes one device sends across islands (outer.AXIS) in one exact
         `val_loss` of an outer run: each batch's eval step and the mean of its
         island losses, read from their compiled programs."""
-        self.val_loss(None, params, val_batches[:1])  # compiles the exact eval step
-        rows = self.run.train.batch_size
-        batch = global_batch(self.mesh, val_batches[0], rows)
-        per_batch = wire.measure(self._eval[None], params, batch,
-                                 mesh=self.mesh).by_axis().get(outer.AXIS, 0.0)
-        loss = self._eval[None](params, batch)
-        per_batch += outer.island_mean_bytes({"loss": loss}, self.mesh)
+        fn = self._eval_step(None)
+        batch = global_batch(self.mesh, val_batches[0], self.run.train.batch_size)
+        per_batch = wire.measure(fn, params, batch, mesh=self.mesh).by_axis().get(outer.AXIS, 0.0)
+        # The island mean is metered on the eval's own [I] losses (their layout
+        # decides what crosses), so the eval runs once here.
+        per_batch += outer.island_mean_bytes({"loss": fn(params, batch)}, self.mesh)
         return float(per_batch) * len(val_batches)
 
     def _one(self, loss):
