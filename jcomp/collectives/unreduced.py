@@ -112,7 +112,8 @@ def _grad_of_marked(value_and_grad_of, params, specs, wanted, batch):
         result = attempt(_marks(chosen))
     if result is None:
         chosen = set()
-        pending = [sorted(matrices)]
+        m = sorted(matrices)  # all of them together failed just above: start at the halves
+        pending = [m[: len(m) // 2], m[len(m) // 2:]] if len(m) > 1 else []
         while pending:  # grow the set that traces; split a group that does not
             group = pending.pop(0)
             got = attempt(_marks(chosen | set(group)))
