@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from benchmarks import gpu  # noqa: E402
 from jcomp import tune  # noqa: E402
 
-DEFAULT_CODECS = ("bf16", "int8", "int4:rot")
+DEFAULT_CODECS = tune.DEFAULT_CODECS
 
 
 def _mesh(devices):

@@ -25,7 +25,9 @@ A ladder orders a kind's codecs from "none" to the most compressed allowed,
 bytes never growing along it. `budget` cuts a kind's ladder at a codec on it
 ({"grad": "int8"}: nothing beyond int8); `ladder` replaces the ladders, for
 every kind (a sequence) or per kind (a mapping), which is how a codec the
-defaults leave out is allowed.
+defaults leave out is allowed. A default ladder's codec that the profile has
+no cost for is left out and named in `Decision.unpriced` (and the table); a
+given ladder's must all be priced.
 
 With by="bytes" each message instead takes the most compressed codec its
 ladder allows that saves bytes (a codec sending no fewer than raw is still
@@ -43,12 +45,14 @@ from jcomp.tune.profile import Profile, codec_name
 from jcomp.tune.traffic import DEFAULT_ROW, Traffic, as_traffic
 
 DEFAULT_LADDERS = {
-    # Data-parallel gradients: int4 with a rotation, without error feedback,
-    # ended +0.26% [-1.47%, +1.98%] from the baseline's validation loss over
-    # three seeds (experiments/RESULTS.md, grad_int4rot_efoff; plain int4
-    # +0.31% [-0.34%, +0.96%]); Xu et al. (CCGrid 2024) send int4 there too.
-    # Nothing coarser has been measured to hold.
-    "grad": ("none", "bf16", "int8", "int4:rot"),
+    # Data-parallel gradients: int4 without error feedback ended +0.31%
+    # [-0.34%, +0.96%] from the baseline's validation loss over three seeds
+    # (experiments/RESULTS.md, grad_int4_efoff), int4 with a rotation +0.26%
+    # [-1.47%, +1.98%] (grad_int4rot_efoff); Xu et al. (CCGrid 2024) send int4
+    # there too. The two send the same bytes, so by bytes plain int4 (the
+    # first of equals) is taken and by time the cheaper to code. Nothing
+    # coarser has been measured to hold.
+    "grad": ("none", "bf16", "int8", "int4", "int4:rot"),
     # ZeRO's parameter gather: int8, as ZeRO++'s quantized weights and every
     # preset of jcomp.gpt.policy that codes it; 4-bit weights are unmeasured here.
     "param": ("none", "bf16", "int8"),
@@ -86,6 +90,8 @@ class Decision:
     choices: tuple
     overlap: float
     device: str
+    unpriced: tuple = ()  # (kind, codec) of a default ladder the profile has no cost for
+
 
     @property
     def seconds(self) -> float:
@@ -126,6 +132,9 @@ class Decision:
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.append(f"per step: {self.seconds * 1e3:.4g} ms predicted, {self.raw_seconds * 1e3:.4g}"
                      f" ms raw (overlap {self.overlap:g}; {self.device})")
+        if self.unpriced:
+            lines.append("not weighed, the profile has no cost for them (probe them to weigh "
+                         "them): " + ", ".join(f"{c} ({k})" for k, c in self.unpriced))
         return "\n".join(lines)
 
 
@@ -219,6 +228,14 @@ def choose(profile: Profile, messages: Mapping, ladder=None, budget=None,
         raise ValueError(f"overlap must be a number in [0, 1] (the share of link time hidden "
                          f"behind compute); got {overlap!r}")
     allowed = ladders(ladder, budget)
+    # A default ladder's codec that the profile has no cost for (a profile
+    # probed before the ladder grew) is left out and named; a ladder the caller
+    # gives must be priced in full.
+    given = set(ladder) if isinstance(ladder, Mapping) else set(allowed) if ladder else set()
+    unpriced = tuple(sorted({(k, c) for k, codecs in allowed.items() if k not in given
+                             for c in codecs if c != "none" and c not in profile.codecs}))
+    allowed = {k: tuple(c for c in codecs if (k, c) not in unpriced)
+               for k, codecs in allowed.items()}
     choices = []
     for key, value in messages.items():
         if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key)):
@@ -236,4 +253,6 @@ def choose(profile: Profile, messages: Mapping, ladder=None, budget=None,
                    else (lambda cs: traffic.coded_bytes(cs[0])))
         choices.append(Choice(axis, kind, best[0], traffic, best[1], weighed[0][1],
                               tuple(weighed)))
-    return Decision(tuple(choices), float(overlap), profile.device)
+    kinds = {k for _, k in messages}
+    return Decision(tuple(choices), float(overlap), profile.device,
+                    tuple(u for u in unpriced if u[0] in kinds))

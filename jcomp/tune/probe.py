@@ -61,7 +61,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jcomp.collectives import arguments
 from jcomp.tune.profile import BYTES_PER_S, CodecCost, Link, Profile, codec_name
 
-DEFAULT_CODECS = ("bf16", "int8", "int4:rot")
+DEFAULT_CODECS = ("bf16", "int8", "int4", "int4:rot")  # every default ladder's codecs
 DEFAULT_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes per device
 DEFAULT_CODEC_BYTES = 1 << 22
 CODEC_ROW = 4096  # elements per coded row: a multiple of every default block

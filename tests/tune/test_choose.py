@@ -18,9 +18,10 @@ from jcomp.tune import CodecCost, Link, Profile, Traffic
 # Bytes per float32 byte on rows of 4096 elements, counted by hand: int8 and
 # int4 code blocks of 256 elements (16 per row), each with a float32 scale.
 RATIO = {"none": 1.0, "bf16": 0.5, "int8": (4096 + 16 * 4) / 16384,
-         "int4:rot": (2048 + 16 * 4) / 16384, "int2": (1024 + 16 * 4) / 16384}
-COST = {"bf16": (1e-12, 2e-12), "int8": (2e-12, 2e-12), "int4:rot": (4e-12, 3e-12),
-        "int2": (3e-12, 3e-12)}
+         "int4": (2048 + 16 * 4) / 16384, "int4:rot": (2048 + 16 * 4) / 16384,
+         "int2": (1024 + 16 * 4) / 16384}
+COST = {"bf16": (1e-12, 2e-12), "int8": (2e-12, 2e-12), "int4": (5e-12, 4e-12),
+        "int4:rot": (4e-12, 3e-12), "int2": (3e-12, 3e-12)}
 FAST, SLOW = Link(1e-5, 1e12), Link(1e-4, 1e8)
 
 
@@ -62,8 +63,10 @@ def test_by_bytes_takes_the_most_compressed_codec_allowed_even_on_a_fast_link():
     fast = _profile(ici=FAST)
     assert set(tune.choose(fast, msgs).codec_dict("grad").values()) == {"none"}
     most = tune.choose(fast, msgs, by="bytes")
+    # int4 and int4:rot send the same bytes: the first of equals, int4, is taken.
     assert [most.codec("ici", k) for k in ("grad", "act", "param")] == [
-        tune.DEFAULT_LADDERS[k][-1] for k in ("grad", "act", "param")]
+        "int4", tune.DEFAULT_LADDERS["act"][-1], tune.DEFAULT_LADDERS["param"][-1]]
+    assert tune.DEFAULT_LADDERS["grad"][-2:] == ("int4", "int4:rot")
     # Each choice keeps its predicted time, which is slower than raw here.
     assert most.seconds > most.raw_seconds
     assert tune.choose(fast, msgs, budget={"grad": "bf16"}, by="bytes").codec("ici", "grad") \
@@ -86,7 +89,7 @@ def test_predicted_times_are_the_formula(overlap):
     d = tune.choose(_profile(dcn=SLOW), {("dcn", "grad"): (raw, n)}, overlap=overlap)
     (choice,) = d.choices
     weighed = dict(choice.candidates)
-    assert list(weighed) == ["none", "bf16", "int8", "int4:rot"]
+    assert list(weighed) == ["none", "bf16", "int8", "int4", "int4:rot"]
     for codec, seconds in weighed.items():
         assert seconds == pytest.approx(_expected(SLOW, codec, raw, n, overlap), rel=1e-12), codec
     best = min(weighed, key=weighed.get)
@@ -188,7 +191,7 @@ def test_bad_messages_and_overlap_are_named():
         tune.choose(prof, {"dcn": (1e6, 1)})
     missing = Profile(links={"dcn": SLOW}, codecs={"int8": CodecCost(1e-12, 1e-12)}, device="d")
     with pytest.raises(ValueError, match="no cost for codec 'bf16'"):
-        tune.choose(missing, {("dcn", "grad"): (1e6, 1)})
+        tune.choose(missing, {("dcn", "grad"): (1e6, 1)}, ladder={"grad": ("none", "bf16")})
     with pytest.raises(ValueError, match="Traffic.dtype"):
         Traffic(1e6, 1, dtype="int32")
 
@@ -286,3 +289,23 @@ def test_messages_from_a_wire_report_give_bytes_and_collectives_per_axis_and_kin
     assert set(by_name) == {("dcn", "grad_reduce"), ("ici", "block_exit")}
     with pytest.raises(ValueError, match="block_exit"):
         tune.messages_from(report, {"grad_reduce": "grad"})
+
+
+def test_a_default_ladders_codec_without_a_cost_is_left_out_and_named():
+    # A profile probed before int4 joined the grad ladder: int4 is not weighed
+    # (its cost is unknown), int4:rot still is, and the decision says so.
+    old = {c: CodecCost(*v) for c, v in COST.items() if c != "int4"}
+    prof = Profile(links={"dcn": SLOW}, codecs=old, device="d")
+    msgs = {("dcn", "grad"): (64e6, 1), ("dcn", "act"): (8e6, 10)}
+    d = tune.choose(prof, msgs, by="bytes")
+    assert d.codec("dcn", "grad") == "int4:rot"
+    assert "int4" not in dict(d.choices[0].candidates)
+    assert d.unpriced == (("grad", "int4"),)
+    assert "not weighed" in d.table() and "int4 (grad)" in d.table()
+    # With the cost, int4 is weighed: by bytes it is taken (first of equals).
+    full = tune.choose(_profile(dcn=SLOW), msgs, by="bytes")
+    assert full.codec("dcn", "grad") == "int4" and full.unpriced == ()
+    # A kind with no message names nothing; a budget at int4 cuts int4:rot.
+    assert tune.choose(prof, {("dcn", "act"): (8e6, 10)}).unpriced == ()
+    assert tune.choose(_profile(dcn=SLOW), msgs, budget={"grad": "int4"}).codec(
+        "dcn", "grad") == "int4"
