@@ -48,7 +48,9 @@ Every run is `python train.py` in a subprocess with its own workdir under
             sync every 10 and every 50 steps, pseudo-gradients sent raw,
             int4:rot, or top-k 3% with error feedback; SparseLoCo every 10
             steps (top 64 or 256 of every 4096-entry chunk, 2-bit values,
-            residual decay 0.95); streaming, fragments as blocks of layers
+            residual decay 0.95; the packed coder at k=128 and 256, and at
+            k=256 streamed: 2 fragments, merged at once or one step late);
+            streaming, fragments as blocks of layers
             synced in turn (every 50 or every 10 steps, in 2 fragments,
             int4:rot); raw pseudo-gradients at H=10 under outer (lr, Nesterov
             momentum) (0.5, 0.5), (0.3, 0.7) and (1.0, 0.9); and hop_raw, the every-step run with two hops and nothing coded,
@@ -128,7 +130,7 @@ def _tp_act(spec: str) -> dict:
     return {f"{a}.{k}": spec for a in ("tensor", "pipeline") for k in ("act", "act_grad")}
 
 
-# (every, fragments, codec, error feedback, slug, outer lr, outer momentum) of the
+# (every, fragments, codec, error feedback, slug, outer lr, outer momentum[, delay]) of the
 # outer suite's runs. sparseloco_k* are the runs made with the uint16-position,
 # three-level coder (coder=index), sparseloco_packed_k* those of the packed one. The outer step is the islands' mean (lr 1, no momentum):
 # at H=10, the first 120 steps of seed 0 reached val_loss 1.970 so, against
@@ -146,6 +148,12 @@ OUTER_RUNS = tuple((h, 1, codec, ef, slug, 1.0, 0.0) for h in (10, 50)
             for codec, slug in (("none", "none"), ("int4:rot", "int4rot"))) \
     + tuple((10, 1, "none", "off", f"lr{lr:g}_m{m:g}_none", lr, m)
             for lr, m in ((0.5, 0.5), (0.3, 0.7), (1.0, 0.9)))
+# Streaming SparseLoCo (packed coder, k=256): 2 fragments synced in turn, each
+# merged at once (delay 0) or one step after its sync started (delay 1, the
+# islands keeping outer.mix=0.5 of their own).
+OUTER_RUNS = tuple(r + (0,) for r in OUTER_RUNS) + tuple(
+    (10, 2, "sparseloco:k=256:chunk=4096:beta=0.95", "on", "sparseloco_packed_k256", 1.0, 0.0, d)
+    for d in (0, 1))
 # The outer lr x momentum table (docs/experiments.md) is outer_h10_none (lr 1,
 # momentum 0), the nesterov_none run (DiLoCo's 0.7, 0.9) and these three.
 SGD_FLAGS = ("--config.optim.name=sgd", "--config.optim.lr=0.3")
@@ -291,8 +299,9 @@ def run_specs() -> list[dict]:
     # The outer loop across the same slow hop (jcomp/train/outer.py).
     runs.append(dict(name="hop_raw", suite="outer", group="main", policy="baseline",
                      overrides={}, error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
-    for every, fragments, codec, ef, slug, lr, momentum in OUTER_RUNS:
-        name = f"outer_h{every}" + (f"_f{fragments}" if fragments > 1 else "") + f"_{slug}"
+    for every, fragments, codec, ef, slug, lr, momentum, delay in OUTER_RUNS:
+        name = (f"outer_h{every}" + (f"_f{fragments}" if fragments > 1 else "")
+                + (f"_d{delay}" if delay else "") + f"_{slug}")
         runs.append(dict(name=name, suite="outer", group="outer", policy="baseline",
                          overrides={}, error_feedback="auto",
                          extra=("--config.mesh.dcn_data=2", f"--config.outer.every={every}",
@@ -300,7 +309,8 @@ def run_specs() -> list[dict]:
                                 f"--config.outer.codec={codec}",
                                 f"--config.outer.error_feedback={ef}",
                                 f"--config.outer.lr={lr}",
-                                f"--config.outer.momentum={momentum}")))
+                                f"--config.outer.momentum={momentum}")
+                         + ((f"--config.outer.delay={delay}",) if delay else ())))
     return runs
 
 
