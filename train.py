@@ -29,7 +29,7 @@ import traceback
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # configs/ import configs.base
 
-from jcomp.train import cluster, faults, quiet  # noqa: E402  (no JAX: the signal handlers go in first)
+from jcomp.train.run import cluster, faults, quiet  # noqa: E402  (no JAX: the signal handlers go in first)
 
 _STOP = faults.StopFlag().install()
 
@@ -206,7 +206,7 @@ def _loaded_config(argv):
 
 def main(argv, full_argv=None, hooks=None):
     """absl's main: `argv` what flag parsing left, `full_argv` the command line it
-    parsed (default sys.argv), `hooks` a jcomp.train.hooks.Hooks for the loop."""
+    parsed (default sys.argv), `hooks` a jcomp.train.run.hooks.Hooks for the loop."""
     if len(argv) > 1:
         _fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if _ENV_ERRORS:
@@ -248,7 +248,7 @@ def main(argv, full_argv=None, hooks=None):
             raise
         _peer_lost(e, workdir)
     if jax.process_index() == 0 and last:
-        from jcomp.train import traffic
+        from jcomp.train.run import traffic
         sent = traffic.closing(last["wire_bytes_total"], last.get("uncompressed_bytes_total"),
                                last.get("uncompressed_measured", False))
         print(f"step {last['step']}: loss {last['loss']:.4f}"
@@ -286,7 +286,7 @@ def _parse_flags(argv):
 
 def run(argv=None, hooks=None):
     """The command: parses `argv` (default sys.argv; argv[0] the program) and
-    trains, calling `hooks` (a jcomp.train.hooks.Hooks) at the loop's defined points."""
+    trains, calling `hooks` (a jcomp.train.run.hooks.Hooks) at the loop's defined points."""
     argv = list(sys.argv if argv is None else argv)
     app.run(lambda rest: main(rest, argv, hooks), argv=argv, flags_parser=_parse_flags)
 

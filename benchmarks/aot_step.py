@@ -86,7 +86,8 @@ def config(path: str):
 def auto_entries(cfg, n_devices: int, profile_path: str = PROFILE) -> dict:
     """{"axis.kind": codec} that compression.auto picks for `cfg` on
     `n_devices` from the profile (jcomp.train.plan's choice)."""
-    from jcomp.train import auto, runspec
+    from jcomp.train.auto import decide as auto
+    from jcomp.train.settings import runspec
     run = runspec.validate(auto.uncompressed(cfg), n_devices)
     budget = auto.parse_budget(cfg.compression.get("budget", ""))
     overlap = auto.check_overlap(cfg.compression.get("overlap", 0.0))
@@ -117,7 +118,8 @@ def step_program(cfg, devices):
     `cfg` on `devices` (compile-only ones): the trainer's step, abstract shapes."""
     from jcomp.gpt import mesh as mesh_lib
     from jcomp.gpt import sharding, step
-    from jcomp.train import resume, runspec
+    from jcomp.train.state import resume
+    from jcomp.train.settings import runspec
 
     run = runspec.validate(cfg, len(devices))
     mesh = mesh_lib.make_mesh(run.mesh_shape, devices, dcn_data=run.mesh_split())

@@ -211,7 +211,9 @@ def bench_psum(codec_names, mib: float, repeats: int) -> dict:
 def auto_flags(config: str, n_devices: int) -> list[str]:
     """The --config.compression.AXIS.KIND=CODEC flags of what `python -m
     jcomp.train.plan` picks for `config` on `n_devices` from the H100 profile."""
-    from jcomp.train import auto, plan, runspec
+    from jcomp.train.auto import decide as auto
+    from jcomp.train import plan
+    from jcomp.train.settings import runspec
     cfg = plan._config(os.path.join(ROOT, config))
     run = runspec.validate(auto.uncompressed(cfg), n_devices)
     summary = auto.choose(run, auto.load_profile(PROFILE, "profile"), {}, 0.0, "gpu.py")

@@ -49,7 +49,7 @@ def get_config():
         # The optimizer sends gradients and parameters in flat buffers of at most
         # this many MiB (jcomp.collectives.buckets: why 32).
         bucket_mib=32.0,
-        # "on": choose every entry below from measured links (jcomp.train.auto,
+        # "on": choose every entry below from measured links (jcomp.train.auto.decide,
         # docs/trainer.md "Letting jcomp choose"); entries set by hand are refused.
         # "reprobe": decide afresh on a resume instead of keeping the checkpoint's.
         auto="off",
@@ -92,7 +92,7 @@ def get_config():
     # fragments=F > 1 (Streaming DiLoCo): F groups of leaves sync in turn, every/F
     # steps apart. delay=tau > 0 (Streaming DiLoCo's overlap): a sync's result is
     # merged tau steps after it started, the islands' own share `mix` (0.5 as the
-    # paper). See jcomp/train/outer.py and docs/trainer.md.
+    # paper). See jcomp/train/outer/islands.py and docs/trainer.md.
     c.outer = ml_collections.ConfigDict(dict(every=0, codec="none", error_feedback="off",
                                              lr=1.0, momentum=0.0, fragments=1, delay=0,
                                              mix=0.5))

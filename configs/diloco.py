@@ -4,7 +4,7 @@ island that trains alone for 10 steps (its own AdamW, data and tensor
 parallelism inside, nothing sent between islands); then the islands average
 their pseudo-gradients coded int4:rot and the shared anchor steps to their
 mean (outer lr 1, no momentum: on configs/base.py's model DiLoCo's Nesterov
-0.7/0.9 ends 600 steps far behind; docs/trainer.md, jcomp/train/outer.py).
+0.7/0.9 ends 600 steps far behind; docs/trainer.md, jcomp/train/outer/islands.py).
 
     python train.py --config=configs/diloco.py --config.train.steps=40
 

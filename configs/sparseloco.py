@@ -3,7 +3,7 @@ alone for 10 steps, then sends of its pseudo-gradient plus a decaying residual
 (beta 0.95) the 64 largest entries of every 4096-entry chunk, on 2 bits each
 (four levels) with their positions in an Elias-Fano code; the anchor steps to
 the islands' mean (outer lr 1, no momentum: the residual stands in for it).
-jcomp/collectives/sparseloco.py; `:coder=index` gives the earlier three-level,
+jcomp/collectives/outer/sparseloco.py; `:coder=index` gives the earlier three-level,
 uint16-position payload.
 
     python train.py --config=configs/sparseloco.py --config.train.steps=40

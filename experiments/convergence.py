@@ -87,7 +87,7 @@ final and best val_loss, the gap of the final val_loss to the baseline's in
 percent, bytes one device sends per step over each mesh axis and in total
 (the first metrics record, which `jcomp.train.loop` fills from the compiled
 step), and the ratio of that total to the baseline's. Loss curves
-(`jcomp.train.metrics.plot`) go to main_loss.png, sweep_grad_loss.png and
+(`jcomp.train.run.metrics.plot`) go to main_loss.png, sweep_grad_loss.png and
 sweep_act_loss.png when their runs exist.
 
 --quick trains configs/tiny.py for a few steps (baseline and hybrid): a
@@ -109,8 +109,8 @@ import time
 
 from experiments import runlog
 from experiments import seeds as seeds_lib
-from jcomp.train import faults
-from jcomp.train import metrics as metrics_lib
+from jcomp.train.run import faults
+from jcomp.train.run import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -296,7 +296,7 @@ def run_specs() -> list[dict]:
     runs.append(dict(name="hop_perhop_fewest", suite="hops", group="main", policy="baseline",
                      overrides={**flat, **act8, **across}, error_feedback="off",
                      extra=("--config.mesh.dcn_data=2",)))
-    # The outer loop across the same slow hop (jcomp/train/outer.py).
+    # The outer loop across the same slow hop (jcomp/train/outer/islands.py).
     runs.append(dict(name="hop_raw", suite="outer", group="main", policy="baseline",
                      overrides={}, error_feedback="off", extra=("--config.mesh.dcn_data=2",)))
     for every, fragments, codec, ef, slug, lr, momentum, delay in OUTER_RUNS:
@@ -511,7 +511,7 @@ def add_comparisons(runs: list[dict]) -> list[dict]:
 
 
 def _json_safe(x):
-    """Non-finite floats as the strings jcomp.train.metrics uses, so the file is strict JSON."""
+    """Non-finite floats as the strings jcomp.train.run.metrics uses, so the file is strict JSON."""
     if isinstance(x, float) and not math.isfinite(x):
         return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
     if isinstance(x, dict):

@@ -93,7 +93,7 @@ import sys
 import tempfile
 import time
 
-from jcomp.train import auto as auto_lib
+from jcomp.train.auto import decide as auto_lib
 from tools.netns import BURST, PREFIX, Namespace, Pair, Unavailable, rate_bits, remove_stale  # noqa: F401
 from tools.netns import _run, signals_deferred, unavailable_reason  # noqa: F401
 
@@ -149,7 +149,7 @@ POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those 
     "sparseloco": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER,
                    "outer.codec": "topk:0.03", "outer.error_feedback": "on"},
     # compression.auto: the codec per axis and kind chosen at start from a probe of
-    # the run's own mesh (jcomp.train.auto), which with two processes weighs the
+    # the run's own mesh (jcomp.train.auto.decide), which with two processes weighs the
     # per-hop split (mesh.dcn_data=2) too; auto_perhop is given that split. As
     # configs/auto.py, the candidates the model cannot tell apart are timed for
     # 6 steps each before training (compression.trial).

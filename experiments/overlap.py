@@ -21,7 +21,7 @@ programs over a mesh ('dcn', 'local') = (2, devices per process):
 hidden = compute + exchange - one program (hidden_threads: - two threads):
 the exchange's seconds that ran while the compute did (0: one after the
 other). This is what an outer loop's start can hide at most, in an inner
-step's program (jcomp.train.outerdelay.carry) or on a thread of its own (its
+step's program (jcomp.train.outer.delay.carry) or on a thread of its own (its
 CPU form); a program of its own dispatched from the step's thread hides
 nothing. Every figure is the median of --repeats after one warm-up call.
 Needs root and iproute2; without them it prints one line and exits 2. The

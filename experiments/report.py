@@ -40,7 +40,7 @@ import sys
 from experiments import probelink, report_network, report_streaming
 from experiments import runlog
 from experiments import seeds as seeds_lib
-from jcomp.train.metrics import human_bytes
+from jcomp.train.run.metrics import human_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = (os.path.join(ROOT, "benchmarks", "results"),  # --results' default, in this order

@@ -29,7 +29,7 @@ import math
 import os
 import tempfile
 
-from jcomp.train import metrics as metrics_lib
+from jcomp.train.run import metrics as metrics_lib
 
 RUNS_FILE = "runs.jsonl"
 COMMIT_FILE = "git_commit.txt"   # in each run's folder: the commit that trained it
@@ -161,7 +161,7 @@ def write(study_dir) -> str:
 @contextlib.contextmanager
 def metrics_files(entries):
     """Yields one metrics.jsonl path per entry, in a temporary folder named after
-    the run, for readers of metrics files (jcomp.train.metrics.plot labels each
+    the run, for readers of metrics files (jcomp.train.run.metrics.plot labels each
     curve by that folder's name, as it does a run folder)."""
     with tempfile.TemporaryDirectory() as tmp:
         paths = []

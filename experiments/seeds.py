@@ -13,7 +13,7 @@ import os
 import statistics
 
 from experiments import runlog
-from jcomp.train import metrics as metrics_lib
+from jcomp.train.run import metrics as metrics_lib
 
 GAP_TARGET_PCT = 1.0       # "reaches the baseline's loss": the gap's interval below +1%
 BYTES_TARGET = 1 / 6       # the project's goal for the hybrid preset's bytes per step

@@ -214,7 +214,7 @@ def test_a_train_step_build_reads_each_codec_string_once(monkeypatch):
     from jcomp.gpt import hyperparams, model, sharding, step
     from jcomp.gpt import mesh as mesh_lib
     from jcomp.gpt import policy as policy_lib
-    from jcomp.train import runspec
+    from jcomp.train.settings import runspec
     from tests.train.tinyconfig import tiny_config
 
     parsed = _parses(monkeypatch)
@@ -245,7 +245,7 @@ def _config_reads(path):
             and n.attr in sections}
 
 
-SETTINGS = {"jcomp.train.runspec", "jcomp.train.auto", "jcomp.train.plan"}
+SETTINGS = {"jcomp.train.settings.runspec", "jcomp.train.auto.decide", "jcomp.train.plan"}
 
 
 def test_the_config_is_read_by_the_trainers_settings_only():
@@ -255,7 +255,7 @@ def test_the_config_is_read_by_the_trainers_settings_only():
     ml_collections."""
     readers = {name for name, path in _modules().items() if _config_reads(path)}
     assert readers <= SETTINGS, readers - SETTINGS
-    assert "jcomp.train.runspec" in readers
+    assert "jcomp.train.settings.runspec" in readers
     for name, path in _modules().items():
         if not name.startswith("jcomp.train"):
             assert "ml_collections" not in open(path).read(), name

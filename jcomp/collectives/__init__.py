@@ -28,13 +28,13 @@ from jcomp.collectives.ops import (  # noqa: F401
     DEFAULT_BUCKET_BYTES, RAW_SCOPE, REMAT_NAMES, ROWS, RawSendWarning, all_gather, all_to_all,
     copy_to_parallel, pmean, ppermute, psum, psum_ef, psum_scatter, psum_scatter_ef,
     parse, reduce_from_parallel, vary)
-from jcomp.collectives.jitgrad import gather_params, scatter_specs, value_and_grad  # noqa: F401
-from jcomp.collectives.bytecheck import ExtraBytesWarning  # noqa: F401
-from jcomp.collectives.rank import rank_key  # noqa: F401
+from jcomp.collectives.jit.grad import gather_params, scatter_specs, value_and_grad  # noqa: F401
+from jcomp.collectives.jit.bytecheck import ExtraBytesWarning  # noqa: F401
+from jcomp.collectives.jit.rank import rank_key  # noqa: F401
 from jcomp.collectives.hops import (  # noqa: F401,F811  (a codec per mesh axis)
     all_gather, pmean, psum, psum_ef, psum_scatter)
-from jcomp.collectives.outer import OuterState, outer_init, outer_sync  # noqa: F401
-from jcomp.collectives.sparseloco import SparseLoCo  # noqa: F401
+from jcomp.collectives.outer.sync import OuterState, outer_init, outer_sync  # noqa: F401
+from jcomp.collectives.outer.sparseloco import SparseLoCo  # noqa: F401
 
 __all__ = [
     "psum", "pmean", "psum_scatter", "all_gather", "ppermute", "all_to_all",

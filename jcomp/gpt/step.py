@@ -11,7 +11,7 @@ param_gather (hop by hop on a mesh with a 'dcn' axis: `Plan.data_hops`).
 A non-finite loss or gradient norm drops the whole update (state unchanged,
 `skipped` + 1); the loop decides whether to go on or stop.
 
-Islands (`islands="dcn"`, the outer loop of jcomp.train.outer): every state
+Islands (`islands="dcn"`, the outer loop of jcomp.train.outer.islands): every state
 leaf carries a leading island dimension I split over that mesh axis
 (`island_specs`), squeezed inside the body, and the step runs as the step of
 one island whose data axes are the others (`plan.data_axes`, ('data',)):

@@ -2,21 +2,21 @@
 
     train_and_evaluate(config, workdir, stop=None, hooks=None)
 
-A run is: the config checked into a `RunSpec` (`jcomp.train.runspec.validate`);
+A run is: the config checked into a `RunSpec` (`jcomp.train.settings.runspec.validate`);
 the workdir checked and locked; the data loaded; the state restored from the
-newest usable checkpoint or initialised (`jcomp.train.resume`); then per step a
+newest usable checkpoint or initialised (`jcomp.train.state.resume`); then per step a
 batch, the step compiled for its compression phase and kept
-(`jcomp.train.stepcache`), its metrics record (`jcomp.train.record`), and a
+(`jcomp.train.state.stepcache`), its metrics record (`jcomp.train.run.record`), and a
 checkpoint every checkpoint.every steps. Once the first step is compiled, a
-table of what it sends goes above the progress bar (`jcomp.train.traffic`).
-The caller's hooks (`jcomp.train.hooks`) run before each batch, after each step
+table of what it sends goes above the progress bar (`jcomp.train.run.traffic`).
+The caller's hooks (`jcomp.train.run.hooks`) run before each batch, after each step
 and during each save.
 
 Bad configuration and bad input raise `UsageError` (a ValueError) before any
 file in the workdir is touched; `train.py` turns it into one line on stderr
 and exit code 2. A write that fails mid-run (disk full) raises `WriteError`
 naming the step that is safe to resume from. One trainer at a time: the
-workdir is locked (`jcomp.train.faults.WorkdirLock`) before anything in it is read
+workdir is locked (`jcomp.train.run.faults.WorkdirLock`) before anything in it is read
 for resuming or written.
 """
 from __future__ import annotations
@@ -31,20 +31,22 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from jcomp.train import auto as auto_lib
-from jcomp.train import checkpoint, cluster, data, faults, resume, record as steprecord
-from jcomp.train import hooks as hooks_lib
+from jcomp.train.auto import decide as auto_lib
+from jcomp.train.run import checkpoint, cluster, data, faults, record as steprecord
+from jcomp.train.state import resume
+from jcomp.train.run import hooks as hooks_lib
 from jcomp.gpt import mesh as mesh_lib
-from jcomp.train import metrics as metrics_lib
-from jcomp.train import outer as outer_lib
-from jcomp.train import outerconfig, outerdelay
-from jcomp.train import profiler as profiler_lib
-from jcomp.train import traffic
+from jcomp.train.run import metrics as metrics_lib
+from jcomp.train.outer import islands as outer_lib
+from jcomp.train.settings import outer as outerconfig
+from jcomp.train.outer import delay as outerdelay
+from jcomp.train.run import profiler as profiler_lib
+from jcomp.train.run import traffic
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.gpt import sharding as sharding_lib
 from jcomp.gpt import step as step_lib
-from jcomp.train.runspec import RunSpec, validate
-from jcomp.train.stepcache import StepCache, global_batch
+from jcomp.train.settings.runspec import RunSpec, validate
+from jcomp.train.state.stepcache import StepCache, global_batch
 
 __all__ = ["train_and_evaluate", "validate", "load_data", "RunSpec", "UsageError",
            "WriteError", "NonFiniteError"]
@@ -100,7 +102,7 @@ def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None,
     step) with what its compiled step sends added (`_with_traffic`), and with an
     outer loop what its syncs send across islands per inner step.
     `stop`: signal handling installed by the caller (otherwise installed here).
-    `hooks`: a `jcomp.train.hooks.Hooks` the loop calls at its defined points."""
+    `hooks`: a `jcomp.train.run.hooks.Hooks` the loop calls at its defined points."""
     own_stop = stop is None
     stop = faults.StopFlag().install() if own_stop else stop
     locks = []  # the workdir lock once taken, released however the run ends

@@ -78,7 +78,8 @@ def plan_text(cfg, profile, n_devices: int, budget, overlap: float) -> str:
 
     from jcomp import tune
     from jcomp.gpt import policy as policy_lib
-    from jcomp.train import auto, runspec, stepbytes
+    from jcomp.train.auto import decide as auto, stepbytes
+    from jcomp.train.settings import runspec
     run = runspec.validate(auto.uncompressed(cfg), n_devices)
     summary = auto.choose(run, profile, budget, overlap, "planned from shapes")
     paper = policy_lib.preset("hybrid_paper")
@@ -114,7 +115,7 @@ def plan_text(cfg, profile, n_devices: int, budget, overlap: float) -> str:
                  f"standard bf16 step (bf16 gradients and parameters, embedding and head "
                  f"on one stage each) {std * 1e3:.4g} ms: auto {now / std:.2f}x, "
                  f"hybrid_paper {hp / std:.2f}x of standard bf16")
-    lines.append("Bytes from shapes (jcomp.train.stepbytes); times from the profile "
+    lines.append("Bytes from shapes (jcomp.train.auto.stepbytes); times from the profile "
                  "(jcomp.tune.choose's model); compute, congestion and loss are not modelled.")
     return "\n".join(lines)
 
@@ -133,10 +134,10 @@ def standard_bf16(run) -> dict:
     the leaves jcomp keeps on every pipeline stage (embedding, head, final norm)
     on one stage each, no pipeline output all-reduce; tensor and pipeline sends
     as jcomp's. Per device per step, averaged over the mesh as
-    jcomp.train.stepbytes counts."""
+    jcomp.train.auto.stepbytes counts."""
     import dataclasses
 
-    from jcomp.train import stepbytes
+    from jcomp.train.auto import stepbytes
     p = run.plan_sizes().get("pipeline", 1)
     groups = stepbytes.param_groups(run)
     staged = sum(b for axes, b in groups.items() if "pipeline" in axes)
@@ -169,7 +170,7 @@ def standard_bf16(run) -> dict:
 
 
 def _h(n):
-    from jcomp.train.traffic import human
+    from jcomp.train.run.traffic import human
     return human(n)
 
 
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # shapes only: no accelerator is used
     try:
-        from jcomp.train import auto
+        from jcomp.train.auto import decide as auto
         if not 1 <= args.devices <= MAX_DEVICES:
             raise ValueError(f"--devices={args.devices}; allowed: 1 to {MAX_DEVICES}")
         profile = auto.load_profile(args.profile, "--profile")

@@ -33,7 +33,7 @@ With by="bytes" each message instead takes the most compressed codec its
 ladder allows that saves bytes (a codec sending no fewer than raw is still
 never taken): the other end of what the budget allows, with its predicted
 time, for a caller that measures rather than trusts the prediction (the
-trainer's trial, jcomp.train.autopick).
+trainer's trial, jcomp.train.auto.pick).
 """
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jcomp import codecs as _codecs
-from jcomp.collectives import arguments, jitspecs
+from jcomp.collectives import arguments
+from jcomp.collectives.jit import specs as jitspecs
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
 
 # Collectives a coded message needs per raw one. A coded all-reduce is an

@@ -31,7 +31,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jcomp import collectives as cc
-from jcomp.collectives.rank import rank_key
+from jcomp.collectives.jit.rank import rank_key
 
 VOCAB, D, F, LAYERS, L, BATCH = 64, 32, 64, 2, 8, 32
 

@@ -1,5 +1,5 @@
 """cc.value_and_grad checks its bytes against the plain gradient program
-(jcomp/collectives/bytecheck.py): an axis on which it sends more is named."""
+(jcomp/collectives/jit/bytecheck.py): an axis on which it sends more is named."""
 import warnings
 
 import jax

@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.jit_step import bytes_over
 from jcomp import collectives as cc
-from jcomp.collectives import jitspecs
-from jcomp.collectives.rank import rank_key
+from jcomp.collectives.jit import specs as jitspecs
+from jcomp.collectives.jit.rank import rank_key
 from jcomp.meter import wire
 from tests.collectives import nnx_step as ns
 

@@ -1,4 +1,4 @@
-"""cc.outer_init / cc.outer_sync (jcomp/collectives/outer.py): DiLoCo's outer
+"""cc.outer_init / cc.outer_sync (jcomp/collectives/outer/sync.py): DiLoCo's outer
 step in a jax.jit program. A two-layer MLP trains as 2 islands over mesh axis
 "dcn" (each island's batch split over "data", 4 devices), the inner step a
 jax.vmap over the islands inside jax.jit; the sync averages the islands'
@@ -359,7 +359,7 @@ def test_explicit_mesh():
 
 # ------------------------------------------------------------------- SparseLoCo
 
-from jcomp.collectives import sparseloco  # noqa: E402
+from jcomp.collectives.outer import sparseloco  # noqa: E402
 
 SLC = sparseloco.SparseLoCo(k=8, chunk=256, beta=0.9)                  # packed
 SLC_INDEX = sparseloco.SparseLoCo(k=8, chunk=256, beta=0.9, coder="index")

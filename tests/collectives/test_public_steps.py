@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.jit_step import bytes_over
 from jcomp import collectives as cc
-from jcomp.collectives import jitspecs
+from jcomp.collectives.jit import specs as jitspecs
 from jcomp.meter import wire
 from tests.collectives import maxtext_step as ms
 from tests.collectives import nanodo_step as nd

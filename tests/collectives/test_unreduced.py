@@ -1,4 +1,4 @@
-"""cc.value_and_grad on a mesh of Explicit batch axes (jcomp/collectives/unreduced.py),
+"""cc.value_and_grad on a mesh of Explicit batch axes (jcomp/collectives/jit/unreduced.py),
 on a step written in JAX's explicit sharding mode (explicit_step.py: an attribute
 dict of parameters, Megatron MLPs typed with `out_sharding=`, `jax.reshard` naming
 the batch axis), changed in its one gradient line.

@@ -9,7 +9,7 @@ import pytest
 from experiments import convergence as conv
 from experiments import report
 from experiments import runlog
-from jcomp.train import metrics as metrics_lib
+from jcomp.train.run import metrics as metrics_lib
 
 STEPS = 6
 
@@ -99,7 +99,7 @@ def test_a_record_without_a_step_is_left_out(study):
 
 
 def test_plots_from_runs_jsonl_equal_plots_of_the_run_folders(study, tmp_path):
-    """The same PNG, labels included, as jcomp.train.metrics.plot draws from the folders."""
+    """The same PNG, labels included, as jcomp.train.run.metrics.plot draws from the folders."""
     first = [r for r in _collect(study) if r["seed"] == 0]
     folders = metrics_lib.plot([study / f"{r['name']}-{STEPS}steps" for r in first],
                                tmp_path / "folders.png")

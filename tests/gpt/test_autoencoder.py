@@ -183,7 +183,9 @@ def test_training_checkpoints_and_restores_the_autoencoder(tmp_path):
     import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from configs import tiny
-    from jcomp.train import checkpoint, runspec, loop as trainer
+    from jcomp.train.run import checkpoint
+    from jcomp.train.settings import runspec
+    from jcomp.train import loop as trainer
     from jcomp.gpt import step
 
     cfg = tiny.get_config()

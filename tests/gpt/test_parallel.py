@@ -248,7 +248,7 @@ def _tiny_logits_fn(pol):
 
     from configs import tiny
     from jcomp.gpt import autoencoder, messages
-    from jcomp.train import runspec
+    from jcomp.train.settings import runspec
 
     cfg = tiny.get_config()
     model_cfg = runspec._model_config(cfg)

@@ -1,4 +1,4 @@
-"""train.py with faults injected through the loop's hooks (`jcomp.train.hooks`), for
+"""train.py with faults injected through the loop's hooks (`jcomp.train.run.hooks`), for
 the end-to-end fault tests:
 
     python tests/train/faultinject.py [FAULTS] -- [train.py flags]
@@ -34,7 +34,7 @@ import train  # noqa: E402  (first: it installs the signal handlers before JAX l
 
 import numpy as np  # noqa: E402
 
-from jcomp.train import hooks  # noqa: E402
+from jcomp.train.run import hooks  # noqa: E402
 
 
 class Faults(hooks.Hooks):
@@ -72,7 +72,7 @@ class Faults(hooks.Hooks):
 def _await_temporary(directory, step_no: int, limit_s: float = 10.0):
     """Waits until the save of `step_no` has its temporary directory on disk (it
     is made by a background thread), so that a fault lands mid-save."""
-    from jcomp.train.checkpoint import TMP_MARK
+    from jcomp.train.run.checkpoint import TMP_MARK
     start = time.monotonic()
     while time.monotonic() - start < limit_s and not any(
             n.startswith(f"{step_no}{TMP_MARK}") for n in os.listdir(directory)):
@@ -82,7 +82,7 @@ def _await_temporary(directory, step_no: int, limit_s: float = 10.0):
 def _fill_disk(ckpt_dir: str, path: str, leave: int, limit_s: float = 60.0):
     """Waits for the saves in progress to commit, then writes `path` until the
     filesystem has `leave` bytes (rounded to pages) free."""
-    from jcomp.train.checkpoint import TMP_MARK
+    from jcomp.train.run.checkpoint import TMP_MARK
     start = time.monotonic()
     while time.monotonic() - start < limit_s and any(
             TMP_MARK in n for n in os.listdir(ckpt_dir)):

@@ -1,4 +1,4 @@
-"""compression.auto (jcomp.train.auto), its byte model (jcomp.train.stepbytes)
+"""compression.auto (jcomp.train.auto.decide), its byte model (jcomp.train.auto.stepbytes)
 and the planning CLI (jcomp.train.plan): in process with made-up profiles, then
 train.py in subprocesses (marked e2e)."""
 import json
@@ -11,7 +11,8 @@ import time
 import pytest
 
 from jcomp import tune
-from jcomp.train import auto, autopick, runspec, stepbytes
+from jcomp.train.auto import decide as auto, pick as autopick, stepbytes
+from jcomp.train.settings import runspec
 from tests.train.tinyconfig import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -315,7 +316,8 @@ def test_outer_sync_bytes_match_the_compiled_sync():
     import jax
 
     from jcomp.gpt import mesh as mesh_lib
-    from jcomp.train import outerdelay, resume
+    from jcomp.train.outer import delay as outerdelay
+    from jcomp.train.state import resume
     cfg, _ = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "train.steps": 40})
     out = auto.with_outer(cfg, 2, 10)
     out.outer.codec = "none"
@@ -460,8 +462,8 @@ def test_step_bytes_match_the_compiled_uncompressed_step():
     import numpy as np
 
     from jcomp.gpt import mesh as mesh_lib
-    from jcomp.train import resume
-    from jcomp.train.stepcache import StepCache, global_batch
+    from jcomp.train.state import resume
+    from jcomp.train.state.stepcache import StepCache, global_batch
     _, run = uncompressed_run()
     mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
     tx = run.optim.tx(run.train.steps)
@@ -789,7 +791,7 @@ import os, sys, time
 root = sys.argv[1]
 sys.path.insert(0, root)
 import train  # first: its signal handlers go in before JAX loads, as in train.py
-from jcomp.train import trial
+from jcomp.train.auto import trial
 
 Real = trial.StepCache
 

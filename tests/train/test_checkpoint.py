@@ -1,6 +1,6 @@
-"""Tests for jcomp.train.checkpoint: bit-exact roundtrips across shardings, retention,
+"""Tests for jcomp.train.run.checkpoint: bit-exact roundtrips across shardings, retention,
 fallback past damaged steps, and refusal of checkpoints of another model; and the
-checksums it stores (jcomp.train.checksums)."""
+checksums it stores (jcomp.train.run.checksums)."""
 import glob
 import logging
 import os
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from jcomp.train.checkpoint import (
+from jcomp.train.run.checkpoint import (
     COMMIT_MARKER,
     CheckpointError,
     Checkpointer,
     abstract_like,
 )
-from jcomp.train.checksums import tree_checksums
+from jcomp.train.run.checksums import tree_checksums
 from jcomp.gpt.mesh import make_mesh
 
 MODEL = {"d_model": 64, "n_layers": 2}
@@ -432,7 +432,7 @@ def test_a_failure_reported_only_at_close_is_a_save_error(tmp_path, mesh):
     read-only) only when the manager closes: that is the same SaveError as a
     failed wait, naming the step and the last complete checkpoint, so train.py
     exits 3 with one line rather than a traceback."""
-    from jcomp.train.checkpoint import SaveError
+    from jcomp.train.run.checkpoint import SaveError
 
     state = _state(mesh)
     ck = Checkpointer(tmp_path, save_every=1, keep=3)

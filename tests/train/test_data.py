@@ -1,4 +1,4 @@
-"""Tests for jcomp.train.data and the sources it reads (jcomp.train.sources): corpora, split,
+"""Tests for jcomp.train.run.data and the sources it reads (jcomp.train.run.sources): corpora, split,
 tokenizers, deterministic batches, resume."""
 import hashlib
 import importlib.metadata
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jcomp.gpt import mesh as mesh_lib
-from jcomp.train import data, loop, sources
+from jcomp.train.run import data, sources
+from jcomp.train import loop
 
 
 def _arange_dataset(num_tokens, seq_len, global_batch, seed=0):

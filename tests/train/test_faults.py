@@ -4,7 +4,7 @@ checkpoints, bad input, resume mismatches, a second trainer on the workdir, a
 full disk, a read-only workdir, the error-feedback guard, and determinism.
 
 Faults inside a run are injected by tests/train/faultinject.py, which runs
-train.py's command with the loop's hooks (`jcomp.train.hooks`) set. Runs are shared
+train.py's command with the loop's hooks (`jcomp.train.run.hooks`) set. Runs are shared
 through module-scoped fixtures; every run uses the same config
 so that losses compare bit for bit across runs (CPU arithmetic is
 deterministic, and a resumed run must retrace the uninterrupted one exactly).
@@ -57,7 +57,7 @@ def run(workdir, *args, timeout=300, **faults):
 
 def records(workdir):
     """The metrics records in file order (a resumed run appends its own)."""
-    from jcomp.train import metrics
+    from jcomp.train.run import metrics
     return list(metrics.read_metrics(os.path.join(workdir, "metrics.jsonl")))
 
 
@@ -157,7 +157,8 @@ def restore_all(workdir, policy="baseline"):
     import jax
     sys.path.insert(0, ROOT)
     from configs import tiny
-    from jcomp.train import checkpoint, runspec
+    from jcomp.train.run import checkpoint
+    from jcomp.train.settings import runspec
     from jcomp.gpt import step
     from jcomp.gpt import mesh as mesh_lib
     from jcomp.gpt import model as gpt
@@ -543,7 +544,7 @@ def test_sighup_before_the_first_step_leaves_no_workdir(tmp_path):
 
 
 def test_sighup_asks_to_stop_as_sigterm_does():
-    from jcomp.train import faults
+    from jcomp.train.run import faults
     before = signal.getsignal(signal.SIGHUP)
     with faults.StopFlag() as stop:
         assert not stop.requested

@@ -169,7 +169,8 @@ _tiny = tiny_config
 
 def test_token_source_with_empty_tokenizer_loads(tmp_path):
     """What the refusal tells the user to do works."""
-    from jcomp.train import runspec, loop as trainer
+    from jcomp.train.settings import runspec
+    from jcomp.train import loop as trainer
     path = tmp_path / "tokens.bin"
     np.arange(4096, dtype=np.uint16).__mod__(200).astype(np.uint16).tofile(path)
     cfg = _tiny(**{"data.source": f"tokens:{path}", "data.token_dtype": "uint16",

@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import pytest
 
 from jcomp.meter import wire
-from jcomp.train import loop, runspec, traffic
+from jcomp.train import loop
+from jcomp.train.settings import runspec
+from jcomp.train.run import traffic
 from tests.train.tinyconfig import tiny_config
 
 

@@ -1,4 +1,4 @@
-"""Tests for jcomp.train.metrics: the JSON-lines log, human units, progress bar and plots."""
+"""Tests for jcomp.train.run.metrics: the JSON-lines log, human units, progress bar and plots."""
 import io
 import json
 import math
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jcomp.train.metrics import (
+from jcomp.train.run.metrics import (
     METRICS_FILE,
     MetricsWriter,
     Progress,
@@ -229,14 +229,14 @@ def test_plot_command_in_subprocess(tmp_path):
     b = _write_run(tmp_path / "B", [3.0, 2.4, 1.9])
     out = tmp_path / "curves.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "jcomp.train.metrics", "plot", a, b, "--out", str(out), "--key", "loss"],
+        [sys.executable, "-m", "jcomp.train.run.metrics", "plot", a, b, "--out", str(out), "--key", "loss"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out}" in proc.stdout
     assert _png_size(out)[0] > 0 and os.path.getsize(out) > 10_000
     bad = subprocess.run(
-        [sys.executable, "-m", "jcomp.train.metrics", "plot", a, "--out", str(out), "--key", "nope"],
+        [sys.executable, "-m", "jcomp.train.run.metrics", "plot", a, "--out", str(out), "--key", "nope"],
         capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 1 and bad.stderr.startswith("error: no record in") and "'nope'" in bad.stderr

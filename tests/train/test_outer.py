@@ -1,4 +1,4 @@
-"""Tests for jcomp.train.outer: the outer loop of the trainer (config.outer).
+"""Tests for jcomp.train.outer.islands: the outer loop of the trainer (config.outer).
 
 In process, on configs/tiny.py's model: the run is built as the loop builds it
 (`_Run`), the inner steps and syncs called in the loop's order (those tests
@@ -7,10 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from jcomp.collectives.sparseloco import SparseLoCo
+from jcomp.collectives.outer.sparseloco import SparseLoCo
 from jcomp.gpt import mesh as mesh_lib
-from jcomp.train import fragments, outerconfig, outerdelay, resume, runspec
-from jcomp.train.stepcache import StepCache, global_batch
+from jcomp.train.outer import fragments, delay as outerdelay
+from jcomp.train.settings import outer as outerconfig, runspec
+from jcomp.train.state import resume
+from jcomp.train.state.stepcache import StepCache, global_batch
 from tests.train.tinyconfig import tiny_config
 
 ULP = float(np.finfo(np.float32).eps)
@@ -278,7 +280,7 @@ def test_an_outer_codec_that_draws_gets_a_key_per_step_and_fragment():
     """The trainer's sync parses the codec spec to see whether it draws (the spec
     is a string, which has no needs_key), and keys it by step and fragment, so
     that no two syncs draw alike and a resumed run draws as the uninterrupted one."""
-    from jcomp.train import outer
+    from jcomp.train.outer import islands as outer
     assert outer.draws("randk:0.25") and outer.draws("int8:sr")
     assert not outer.draws("topk:0.1") and not outer.draws("int8")
     assert not outer.draws(SparseLoCo())

@@ -1,11 +1,12 @@
-"""outer.delay (jcomp.train.outerdelay): a fragment's sync started after its
+"""outer.delay (jcomp.train.outer.delay): a fragment's sync started after its
 step and merged into the islands outer.delay steps later. In process on
 configs/tiny.py's model (`tests.train.test_outer._Run`)."""
 import jax
 import numpy as np
 import pytest
 
-from jcomp.train import outer, outerconfig, outerdelay, runspec
+from jcomp.train.outer import islands as outer, delay as outerdelay
+from jcomp.train.settings import outer as outerconfig, runspec
 from tests.train.test_outer import _Run, _np
 from tests.train.tinyconfig import tiny_config
 
@@ -127,7 +128,7 @@ def test_a_resume_cannot_drop_or_add_a_delay():
     each refusal names the field. Equal settings resume."""
     import types
 
-    from jcomp.train import resume
+    from jcomp.train.state import resume
     kw = dict(every=4, codec="none", error_feedback=False, lr=1.0, momentum=0.0)
     delayed = outerconfig.OuterSettings(**kw, delay=1)
     blocking = outerconfig.OuterSettings(**kw)
@@ -204,7 +205,7 @@ def test_on_cpu_islands_that_span_processes_run_the_start_before_the_step():
     the start runs before the step instead ("serial"), said under the start
     table, and "thread" is refused by name. One process per island (or one
     process in all) keeps the thread."""
-    from jcomp.train import resume
+    from jcomp.train.state import resume
     run = runspec.validate(tiny_config(**{"outer.every": 4, "outer.delay": 1,
                                           "mesh.data": 4, "mesh.pipeline": 1,
                                           "mesh.dcn_data": 2}), 8)

@@ -1,5 +1,5 @@
 """Fragments by layer and the global model in the trainer's outer loop
-(jcomp.train.fragments, jcomp.train.outer), in process on configs/tiny.py's
+(jcomp.train.outer.fragments, jcomp.train.outer.islands), in process on configs/tiny.py's
 model (2 layers: fragment 0 = embedding + layer 0, fragment 1 = layer 1 +
 final norm). Marked slow: they compile train steps and syncs."""
 import jax

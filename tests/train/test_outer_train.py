@@ -1,4 +1,4 @@
-"""End-to-end runs of train.py with an outer loop (config.outer, jcomp.train.outer):
+"""End-to-end runs of train.py with an outer loop (config.outer, jcomp.train.outer.islands):
 metrics, kill -9 and a bitwise resume mid-interval, and the refusal of a
 changed outer setting on resume."""
 import hashlib
@@ -96,7 +96,7 @@ def test_syncs_are_logged_with_their_bytes_and_time(full):
                                                     + first["outer_eval_bytes_per_step"])
     with open(full + ".stdout") as f:
         out = f.read()
-    from jcomp.train.traffic import human
+    from jcomp.train.run.traffic import human
     per_step = human(recs[4]["outer_bytes_per_step"])
     assert f"({per_step} per inner step; the inner step sends 0 B across islands)" in \
         " ".join(out.split()), out

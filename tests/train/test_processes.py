@@ -1,6 +1,6 @@
 """train.py as several processes whose devices share data ranks: a tensor or
 pipeline axis crossing processes, as it crosses nodes on a cluster. Each process
-loads the batch rows its own devices hold (jcomp.train.data.process_rows), and
+loads the batch rows its own devices hold (jcomp.train.run.data.process_rows), and
 the run trains exactly as one process over all the devices does.
 
 The runs start side by side in one module fixture (on two cores, compiles and

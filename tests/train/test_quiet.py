@@ -1,4 +1,4 @@
-"""Tests for jcomp.train.quiet: what reaches stderr when orbax fails. Warnings
+"""Tests for jcomp.train.run.quiet: what reaches stderr when orbax fails. Warnings
 and file-descriptor-2 output of a restore are held back to this module's debug
 log, the log filters drop only the noise of a failure already reported, and
 exit_with_line leaves one line and the exit code."""
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from jcomp.train import quiet
+from jcomp.train.run import quiet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,7 +39,7 @@ def own_logger():
 
 def _debug_lines(caplog):
     return [r.getMessage() for r in caplog.records
-            if r.name == "jcomp.train.quiet" and r.levelno == logging.DEBUG]
+            if r.name == "jcomp.train.run.quiet" and r.levelno == logging.DEBUG]
 
 
 def _record(name, level, msg, *, pathname=__file__, exc_info=None):
@@ -59,7 +59,7 @@ def test_restoring_quietly_holds_back_warnings_then_restores_the_level(own_logge
 
 
 def test_restoring_quietly_keeps_stderr_output_in_the_debug_log(own_logger, capfd, caplog):
-    caplog.set_level(logging.DEBUG, logger="jcomp.train.quiet")
+    caplog.set_level(logging.DEBUG, logger="jcomp.train.run.quiet")
     with quiet.restoring_quietly(own_logger):
         os.write(2, b"Event loop is closed (from a TensorStore callback)\n")
     os.write(2, b"after the restore\n")
@@ -70,7 +70,7 @@ def test_restoring_quietly_keeps_stderr_output_in_the_debug_log(own_logger, capf
 
 
 def test_unraisable_errors_during_a_restore_go_to_the_debug_log(own_logger, caplog):
-    caplog.set_level(logging.DEBUG, logger="jcomp.train.quiet")
+    caplog.set_level(logging.DEBUG, logger="jcomp.train.run.quiet")
 
     class Abandoned:  # a coroutine of a failed read, garbage-collected
         def __del__(self):
@@ -195,7 +195,7 @@ def test_late_writes_of_a_failed_save_are_not_reported():
     event loop as an unraisable exception; the filter drops exactly those."""
     import asyncio
     import sys
-    from jcomp.train.quiet import unraisable_filter
+    from jcomp.train.run.quiet import unraisable_filter
     loop = asyncio.new_event_loop()
     loop.close()
 
@@ -220,7 +220,7 @@ def test_late_writes_of_a_failed_save_are_not_reported():
 def test_event_loop_closed_raised_elsewhere_is_reported():
     """Only the error asyncio raises from call_soon_threadsafe is dropped: the same
     message raised by other code still reaches the previous hook."""
-    from jcomp.train.quiet import unraisable_filter
+    from jcomp.train.run.quiet import unraisable_filter
 
     class Closed:
         def __del__(self):

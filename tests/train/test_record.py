@@ -1,4 +1,4 @@
-"""Tests for jcomp.train.record: what one step's metrics record holds, in the
+"""Tests for jcomp.train.run.record: what one step's metrics record holds, in the
 order metrics.jsonl gets it, what a phase's first step adds, and which steps'
 records are written."""
 import json
@@ -13,7 +13,7 @@ from jcomp.gpt import mesh as mesh_lib
 from jcomp.gpt import messages
 from jcomp.gpt import policy as policy_lib
 from jcomp.meter import wire
-from jcomp.train import record
+from jcomp.train.run import record
 
 BASELINE = policy_lib.preset("baseline")
 INT8_GRADS = BASELINE.replace({"data.grad": "int8"})

@@ -1,9 +1,10 @@
-"""jcomp.train.resume: what a checkpoint records of the optimizer, and what a resume
+"""jcomp.train.state.resume: what a checkpoint records of the optimizer, and what a resume
 that changes it is told."""
 import dataclasses
 import types
 
-from jcomp.train import resume, runspec
+from jcomp.train.state import resume
+from jcomp.train.settings import runspec
 
 
 def _run(**optim):

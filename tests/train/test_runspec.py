@@ -1,4 +1,4 @@
-"""Tests for jcomp.train.runspec: a config checked once into a frozen RunSpec
+"""Tests for jcomp.train.settings.runspec: a config checked once into a frozen RunSpec
 (phases, their message plans, the ZeRO layout, the settings the loop reads),
 and the UsageError naming the field of a config it refuses."""
 import dataclasses
@@ -11,7 +11,7 @@ from jcomp import codecs
 from jcomp.gpt import policy as policy_lib
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.gpt import step, zero
-from jcomp.train import runspec
+from jcomp.train.settings import runspec
 from tests.train.tinyconfig import tiny_config
 
 _tiny = tiny_config

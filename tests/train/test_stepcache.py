@@ -1,4 +1,4 @@
-"""Tests for jcomp.train.stepcache: the global batch, and the train and eval
+"""Tests for jcomp.train.state.stepcache: the global batch, and the train and eval
 programs kept per compression phase, each built when its phase first comes up.
 The builders are stood in for where only the cache is under test; one eval
 program of configs/tiny.py is really compiled."""
@@ -13,7 +13,8 @@ from jcomp.gpt import mesh as mesh_lib
 from jcomp.gpt import model as gpt
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.gpt import sharding
-from jcomp.train import runspec, stepcache
+from jcomp.train.settings import runspec
+from jcomp.train.state import stepcache
 from tests.train.tinyconfig import tiny_config
 
 def _tiny_run(**overrides):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jcomp.train import metrics, profiler
+from jcomp.train.run import metrics, profiler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,4 +1,4 @@
-"""Tests for jcomp.train.traffic: the compiled step's bytes by axis and kind,
+"""Tests for jcomp.train.run.traffic: the compiled step's bytes by axis and kind,
 the estimate for a plan that was not compiled, and the text the trainer prints.
 Reports are written by hand here; the figures of a real run are checked against
 its metrics file in tests/train/test_train.py."""
@@ -10,7 +10,7 @@ import pytest
 from jcomp.gpt import messages
 from jcomp.gpt import policy as policy_lib
 from jcomp.meter import wire
-from jcomp.train import traffic
+from jcomp.train.run import traffic
 
 MESH = {"data": 2, "tensor": 2, "pipeline": 2}
 BASELINE = messages.plan(policy_lib.preset("baseline"), 4, MESH)

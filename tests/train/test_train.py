@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from jcomp.train import checkpoint
+from jcomp.train.run import checkpoint
 
 pytestmark = pytest.mark.e2e  # every test here runs train.py in a subprocess
 
@@ -153,7 +153,7 @@ def test_tiny_run_starts_and_ends_with_the_bytes_of_its_metrics(runs):
     """The start table's axis totals and the closing line's bytes are the
     metrics file's wire_bytes_*, read from the same compiled step; the hybrid
     column is an estimate and says so."""
-    from jcomp.train.traffic import human
+    from jcomp.train.run.traffic import human
     tiny = runs["tiny"]
     out, rec = printed(tiny), first_record(tiny)
     rows, after = start_table(out)
@@ -301,7 +301,7 @@ def test_the_plans_estimates_come_within_a_tenth_of_the_compiled_steps(policies)
     step's, in its start table and closing line. Each lies within 10% of what
     the other run's compiled step sends (the estimate leaves out the ZeRO
     layout's padding of small leaves to whole codec blocks)."""
-    from jcomp.train.traffic import human
+    from jcomp.train.run.traffic import human
     (b_dir, b_out), (h_dir, h_out) = policies["baseline"], policies["hybrid"]
     b_total = first_record(b_dir)["wire_bytes_total"]
     h_total = first_record(h_dir)["wire_bytes_total"]
@@ -356,7 +356,7 @@ def test_two_hops_meter_the_slow_hop_and_a_resume_cannot_change_them(tmp_path):
     data 4 x tensor 2): metrics.jsonl has wire_bytes_dcn beside wire_bytes_data
     and the start table a dcn row of those bytes. A rerun with dcn_data=4, whose
     state would fit the checkpoint's arrays, is refused in one line (exit 2)."""
-    from jcomp.train.traffic import human
+    from jcomp.train.run.traffic import human
     workdir = str(tmp_path / "w")
     split = ["--config=configs/tiny.py", "--config.train.steps=3", "--config.checkpoint.every=3",
              "--config.train.eval_every=3", "--config.mesh.data=4", "--config.mesh.pipeline=1",

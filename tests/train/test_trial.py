@@ -1,10 +1,11 @@
-"""jcomp.train.trial: timed steps of a candidate run, dropped afterwards."""
+"""jcomp.train.auto.trial: timed steps of a candidate run, dropped afterwards."""
 import jax
 import numpy as np
 import pytest
 
 from jcomp.gpt import mesh as mesh_lib
-from jcomp.train import runspec, trial
+from jcomp.train.settings import runspec
+from jcomp.train.auto import trial
 from tests.train.tinyconfig import tiny_config
 
 
@@ -42,7 +43,7 @@ def test_a_stop_is_answered_before_the_compile_and_between_steps():
     import os
     import signal
 
-    from jcomp.train import faults
+    from jcomp.train.run import faults
     run, mesh, rows = _tiny()
     with faults.StopFlag() as flag, trial.Signals() as signals:
         assert not signals.agreed()

@@ -1,5 +1,5 @@
 """A checksum of each array of a pytree that does not depend on how it is
-sharded: what `jcomp.train.checkpoint` stores beside a train state and checks on
+sharded: what `jcomp.train.run.checkpoint` stores beside a train state and checks on
 restore, since orbax's bulk array data carries no checksum of its own.
 
     sums = tree_checksums(state)     # {'params/w_DxF': '0123456789abcdef', ...}

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 
-from jcomp.train import faults, quiet
+from jcomp.train.run import faults, quiet
 
 PEER_LOST_EXIT = 4
 SUPERVISED_ENV = "JCOMP_SUPERVISED"  # set in the trainer child of a supervisor
@@ -199,7 +199,7 @@ def _child_log(workdir: str, pid: int):
 
 def last_complete_step(workdir: str):
     """The newest committed checkpoint step in WORKDIR/checkpoints, or None."""
-    from jcomp.train.checkpoint import COMMIT_MARKER  # imports JAX: only once the child is gone
+    from jcomp.train.run.checkpoint import COMMIT_MARKER  # imports JAX: only once the child is gone
     ckpt = os.path.join(os.path.abspath(workdir), "checkpoints")
     try:
         steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import jitspecs, ops
-from jcomp.collectives.jitreduce import groups, reduce
+from jcomp.collectives.jit import specs as jitspecs
+from jcomp.collectives import ops
+from jcomp.collectives.jit.reduce import groups, reduce
 
 
 def typed_specs(params, batch):

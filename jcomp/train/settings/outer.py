@@ -1,7 +1,7 @@
 """config.outer read and checked: the outer loop's settings (`settings`), when
 each fragment's sync starts (`due`) and, with outer.delay > 0, when its result
 is merged into the islands (`applied`). The trainer's outer loop is
-`jcomp.train.outer`."""
+`jcomp.train.outer.islands`."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +10,8 @@ import math
 import optax
 
 from jcomp import codecs
-from jcomp.collectives.sparseloco import SparseLoCo
-from jcomp.train.faults import UsageError
+from jcomp.collectives.outer.sparseloco import SparseLoCo
+from jcomp.train.run.faults import UsageError
 
 FIELDS = ("every", "codec", "error_feedback", "lr", "momentum", "fragments", "delay", "mix")
 # configs/base.py's outer.*: with every=0 (off) every other field must keep its default.

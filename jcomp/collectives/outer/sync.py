@@ -51,8 +51,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import arguments, hops, rowlayout, sparseloco
-from jcomp.collectives.jitspecs import axes_in
+from jcomp.collectives import arguments, hops, rowlayout
+from jcomp.collectives.outer import sparseloco
+from jcomp.collectives.jit.specs import axes_in
 from jcomp.collectives.buckets import DEFAULT_BUCKET_BYTES
 
 __all__ = ["OuterState", "outer_init", "outer_sync"]

@@ -1,5 +1,5 @@
 """A delayed, overlapped outer sync (outer.delay = tau > 0): Streaming DiLoCo's
-overlapping communication in the trainer's outer loop (`jcomp.train.outer`).
+overlapping communication in the trainer's outer loop (`jcomp.train.outer.islands`).
 
 Fragment f's sync falls in two parts. The start (`outer.make_sync(...,
 stage="start")`, due after step n) forms the pseudo-gradient from the
@@ -60,10 +60,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jcomp.meter import wire
-from jcomp.train import fragments
-from jcomp.train.outer import (AXIS, Syncs, cast_islands, inner_state, is_spec, make_sync,
+from jcomp.train.outer import fragments
+from jcomp.train.outer.islands import (AXIS, Syncs, cast_islands, inner_state, is_spec, make_sync,
                                master_specs, part_shapes, plan_of)
-from jcomp.train.traffic import WIDTH
+from jcomp.train.run.traffic import WIDTH
 
 
 def make_apply(run, mesh, params_shapes, tx, fragment: int):

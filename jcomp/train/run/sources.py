@@ -5,7 +5,7 @@
     text_documents("notes/**/*.txt")         # one Doc per file, id = relative path
     token_file("train.bin", "uint16", V)     # read-only np.memmap, ids checked < V
 
-`jcomp.train.data.load` turns a source string into a corpus from these. Everything is
+`jcomp.train.run.data.load` turns a source string into a corpus from these. Everything is
 plain numpy, needs no network and caches nothing on disk.
 """
 from __future__ import annotations

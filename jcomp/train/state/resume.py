@@ -27,9 +27,11 @@ import jax
 
 from jcomp.gpt import autoencoder, step
 
-from jcomp.train import checkpoint, outer, outerconfig, quiet
+from jcomp.train.run import checkpoint, quiet
+from jcomp.train.outer import islands as outer
+from jcomp.train.settings import outer as outerconfig
 from jcomp.gpt import model as gpt
-from jcomp.train.faults import UsageError
+from jcomp.train.run.faults import UsageError
 
 _log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ class Start:
     streak: int          # non-finite steps in a row up to `step`
     tx: Any              # the optimizer, its schedule `schedule_steps` long
     # With outer.delay: the fragment whose sync start, due after `step`, overlaps
-    # the next step (`jcomp.train.outerdelay.DelayedSyncs.run_carried`); None: none.
+    # the next step (`jcomp.train.outer.delay.DelayedSyncs.run_carried`); None: none.
     outer_pending: int | None = None
 
 
@@ -118,7 +120,7 @@ def _both(*checks):
 def checkpoint_meta(run, train_ds, step_no: int, schedule_steps: int, streak: int,
                     auto: dict | None = None, outer_pending: int | None = None) -> dict:
     """What a checkpoint of step `step_no` records beside the state; `auto`, the
-    decision of compression.auto (jcomp.train.auto), is what a resume keeps;
+    decision of compression.auto (jcomp.train.auto.decide), is what a resume keeps;
     `outer_pending`, a sync start due after `step_no` not yet run (it overlaps
     the next step), is what a resume runs first."""
     return {"data": train_ds.state(step_no), "step": step_no, "fingerprint": run.fingerprint(),

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 
 from jcomp.gpt import messages, policy, sharding, step
 from jcomp.meter import wire
-from jcomp.train import outer
+from jcomp.train.outer import islands as outer
 
 
 def global_batch(mesh, local_rows, global_rows: int):
@@ -49,7 +49,7 @@ class StepCache:
 
     def train_fn(self, phase):
         """`phase`'s train step as a jitted function, to trace into a larger program
-        (`jcomp.train.outerdelay.carry`); compiled by `train` already."""
+        (`jcomp.train.outer.delay.carry`); compiled by `train` already."""
         return self._train[phase][2]
 
     def train_report(self, phase) -> wire.WireReport:

@@ -4,7 +4,7 @@ prediction (`pick_route`) or by a short trial (`weigh_by_trial`).
     best = pick_route(flat, {"per hop (mesh.dcn_data=2)": split, ...}, compute_s)
     best = weigh_by_trial(flat, others, time_of, steps)   # time_of(d) -> seconds
 
-A decision is compression.auto's summary dict (jcomp.train.auto): per entry
+A decision is compression.auto's summary dict (jcomp.train.auto.decide): per entry
 its codec and predicted seconds, the total `seconds`, the uncompressed
 `raw_seconds`, and for another route than the mesh as given its `dcn_data`
 and, for an outer loop, `outer`. Nothing here probes, compiles or reads a

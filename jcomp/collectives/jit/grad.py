@@ -50,10 +50,11 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import arguments, bytecheck, jitspecs, ops, unreduced
-from jcomp.collectives.constraints import batch_constraints
-from jcomp.collectives.jitreduce import gather, reduce
-from jcomp.collectives.jitspecs import scatter_specs  # noqa: F401  (public)
+from jcomp.collectives import arguments, ops
+from jcomp.collectives.jit import bytecheck, specs as jitspecs, unreduced
+from jcomp.collectives.jit.constraints import batch_constraints
+from jcomp.collectives.jit.reduce import gather, reduce
+from jcomp.collectives.jit.specs import scatter_specs  # noqa: F401  (public)
 
 __all__ = ["value_and_grad", "scatter_specs", "gather_params"]
 

@@ -7,7 +7,7 @@
 
 From a shell:
 
-    python -m jcomp.train.metrics plot A/metrics.jsonl B/metrics.jsonl --out curves.png [--key loss]
+    python -m jcomp.train.run.metrics plot A/metrics.jsonl B/metrics.jsonl --out curves.png [--key loss]
 
 Non-finite numbers. Python's json writes NaN and Infinity bare, which is not
 JSON and which jq, browsers and strict parsers reject. The writer stores them
@@ -25,7 +25,7 @@ TensorBoard event file beside metrics.jsonl, through tensorboardX's
 SummaryWriter: `tensorboard --logdir runs/` then shows each run directory as a
 run. Non-finite values go to TensorBoard as they are.
 
-Profiling (train.profile_steps) is jcomp.train.profiler.
+Profiling (train.profile_steps) is jcomp.train.run.profiler.
 """
 from __future__ import annotations
 
@@ -351,7 +351,7 @@ def plot(paths, out_png, key: str = "loss", x: str = "step") -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jcomp.train.metrics", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m jcomp.train.run.metrics", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plot", help="draw curves from metrics.jsonl files into a PNG")
     p.add_argument("paths", nargs="+", help="metrics.jsonl files or the run directories holding them")

@@ -1,6 +1,6 @@
 """The outer loop of low-communication training (DiLoCo, Streaming DiLoCo) in
 the trainer: the islands' train state and the sync program (config.outer is
-read by `jcomp.train.outerconfig`).
+read by `jcomp.train.settings.outer`).
 
     outer = outerconfig.settings(cfg.outer)   # UsageError naming the field, or None (off)
     state = lift(step.init_state(...), run, mesh, shapes, tx)  # islands' copies + outer state
@@ -16,7 +16,7 @@ dcn_data = 1 every data rank, 'data' then of size 1). The inner step
 (`jcomp.gpt.step.make_train_step(islands="dcn")`) runs each island's data,
 tensor and pipeline parallelism as a run of its own and sends nothing across
 'dcn'. Every leaf of the state's "params", "zero" and "skipped" carries a
-leading island dimension I (`jcomp.collectives.outer`'s params_IxX).
+leading island dimension I (`jcomp.collectives.outer.sync`'s params_IxX).
 
 The sync works on the ZeRO state's float32 master shards (`jcomp.gpt.zero`),
 whose layout splits each leaf over 'data' inside an island: `cc.outer_sync`
@@ -31,20 +31,20 @@ outer-optimizer state per fragment) and so checkpointed with it.
 
 Fragments (outer.fragments = F, Streaming DiLoCo): contiguous blocks of
 transformer layers, the embedding with the first and the final norm with the
-last (`jcomp.train.fragments`); fragment f syncs after the inner steps n with
+last (`jcomp.train.outer.fragments`); fragment f syncs after the inner steps n with
 n % H == f * H / F (H = outer.every). The global model is the anchor
 (`Syncs.global_params`): the loop evaluates it as val_loss, beside the
 islands' own params (val_loss_islands).
 
 Delay (outer.delay = tau > 0, Streaming DiLoCo's overlap): a sync starts
 after its step, in the next step's program, and is merged into the islands
-tau steps later (`jcomp.train.outerdelay`). With delay 0 the sync blocks, as
+tau steps later (`jcomp.train.outer.delay`). With delay 0 the sync blocks, as
 without it.
 
 outer.codec="sparseloco[:k=K][:chunk=C][:beta=B][:coder=packed|index]" is
-SparseLoCo (`jcomp.collectives.sparseloco`): chunked top-k, 2-bit values, a decaying
+SparseLoCo (`jcomp.collectives.outer.sparseloco`): chunked top-k, 2-bit values, a decaying
 residual per island, no outer momentum. config.outer is read in
-`jcomp.train.outerconfig`.
+`jcomp.train.settings.outer`.
 """
 from __future__ import annotations
 
@@ -62,9 +62,9 @@ from jcomp import codecs
 from jcomp import collectives as cc
 from jcomp.gpt import sharding, step, zero
 from jcomp.meter import wire
-from jcomp.train import fragments
-from jcomp.train.faults import UsageError
-from jcomp.train.traffic import WIDTH, human
+from jcomp.train.outer import fragments
+from jcomp.train.run.faults import UsageError
+from jcomp.train.run.traffic import WIDTH, human
 
 AXIS = "dcn"  # the islands' mesh axis
 # Codecs that draw (":sr", randk) get `sync_key`: a stream apart from the inner
@@ -102,7 +102,7 @@ def _opt_specs(tx_outer, zspec_leaves):
 
 
 def plan_of(run, params_shapes) -> list[list[fragments.Part]]:
-    """The fragments' parts (`jcomp.train.fragments.plan`): blocks of layers."""
+    """The fragments' parts (`jcomp.train.outer.fragments.plan`): blocks of layers."""
     try:
         return fragments.plan(params_shapes, run.outer.fragments)
     except ValueError as e:
@@ -216,9 +216,9 @@ def make_sync(run, mesh, params_shapes, tx, fragment: int, stage: str = "sync"):
     """fn(state, step int32) -> state: fragment `fragment` of every island's
     master synced (`cc.outer_sync`), its working params gathered anew. Whole
     leaves sync in the master's layout; a block of layers in the parameters'
-    (`jcomp.train.fragments`). stage="start": the outer state stepped (anchor,
+    (`jcomp.train.outer.fragments`). stage="start": the outer state stepped (anchor,
     residuals, optimizer), the islands' masters and params left as they are
-    (merged later: `jcomp.train.outerdelay`)."""
+    (merged later: `jcomp.train.outer.delay`)."""
     o = run.outer
     specs, zspecs = master_specs(run, params_shapes, tx)
     zleaves, ztree = jax.tree.flatten(zspecs, is_leaf=is_spec)

@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jcomp.collectives import jitspecs
+from jcomp.collectives.jit import specs as jitspecs
 
 _state = threading.local()
 

@@ -10,7 +10,7 @@
 
 Each step directory holds three orbax items: `state` (the pytree of arrays,
 written by every process for its own shards), `meta` (the caller's JSON dict)
-and `checksums` (a 64-bit checksum per array, see `jcomp.train.checksums`).
+and `checksums` (a 64-bit checksum per array, see `jcomp.train.run.checksums`).
 
 What counts as a usable checkpoint. Orbax writes a step into a temporary
 directory and renames it when done, so a save killed half-way never appears
@@ -38,8 +38,8 @@ one should leave with `os._exit`, as `train.py` does.
 
 Just past 400 lines, on purpose: saving, the usable-checkpoint rules and the
 restore walk are one contract (what a save leaves is what a restore accepts),
-and the parts that stand alone already live apart (jcomp.train.checksums,
-jcomp.train.quiet).
+and the parts that stand alone already live apart (jcomp.train.run.checksums,
+jcomp.train.run.quiet).
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jcomp.train import quiet
-from jcomp.train.checksums import path_name, tree_checksums
+from jcomp.train.run import quiet
+from jcomp.train.run.checksums import path_name, tree_checksums
 
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, in both atomicity modes
 TMP_MARK = getattr(ocp.utils, "TMP_DIR_SUFFIX", ".orbax-checkpoint-tmp")  # in-progress saves

@@ -1,7 +1,7 @@
 """What reaches stderr when orbax fails: the failure once, in our words, and
 none of the copies orbax, asyncio and TensorStore print after it.
 
-    with restoring_quietly(logging.getLogger("jcomp.train.checkpoint"), ckpt): ...
+    with restoring_quietly(logging.getLogger("jcomp.train.run.checkpoint"), ckpt): ...
     demote_orphaned_read_errors()   # asyncio's "Task exception was never retrieved"
     demote_failed_save_errors()     # orbax's per-thread tracebacks of a failed save
     exit_with_line(line, code)      # train.py's one line, then os._exit
@@ -146,7 +146,7 @@ def demote_failed_save_errors():
 
 # -------------------------------------------------------------------- exit
 
-_terminal_fd = 2  # where the last word goes; jcomp.train.cluster moves fd 2 to a log
+_terminal_fd = 2  # where the last word goes; jcomp.train.run.cluster moves fd 2 to a log
 
 
 def set_terminal_fd(fd: int):

@@ -6,7 +6,7 @@ The cost model (jcomp.tune) prices links and codecs apart; what it cannot see
 is how they share the machine with compute (processes contending for the
 same cores, a collective's transfer overlapping the next layer's matmul).
 compression.auto therefore lets a short trial settle the candidates the model
-cannot tell apart (jcomp.train.autopick.weigh_by_trial), as XLA's autotuner and
+cannot tell apart (jcomp.train.auto.pick.weigh_by_trial), as XLA's autotuner and
 cuDNN's benchmark mode time their kernel candidates instead of predicting them.
 
 Each trial starts from the run's own initial parameters on its own mesh, steps
@@ -33,8 +33,10 @@ import jax
 import numpy as np
 
 from jcomp import tune
-from jcomp.train import faults, outer, resume
-from jcomp.train.stepcache import StepCache, global_batch
+from jcomp.train.run import faults
+from jcomp.train.state import resume
+from jcomp.train.outer import islands as outer
+from jcomp.train.state.stepcache import StepCache, global_batch
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 

@@ -25,11 +25,11 @@ from jcomp.gpt import mesh as mesh_lib
 from jcomp.gpt import model as gpt
 from jcomp.gpt import policy as policy_lib
 from jcomp.gpt import schedule as schedule_lib
-from jcomp.train import faults
-from jcomp.train import profiler
-from jcomp.train import fragments as fragments_lib
-from jcomp.train import outer as outer_lib
-from jcomp.train import outerconfig
+from jcomp.train.run import faults
+from jcomp.train.run import profiler
+from jcomp.train.outer import fragments as fragments_lib
+from jcomp.train.outer import islands as outer_lib
+from jcomp.train.settings import outer as outerconfig
 
 UsageError = faults.UsageError  # a configuration or input the user must fix
 
@@ -366,7 +366,7 @@ def _dcn_allowed(data: int, shown: int = 8) -> str:
 
 
 def _check_fragments(outer, model_cfg, pol):
-    """outer.fragments cuts the layers into blocks (`jcomp.train.fragments`):
+    """outer.fragments cuts the layers into blocks (`jcomp.train.outer.fragments`):
     checked on the model's abstract init, nothing compiled."""
     shapes = jax.eval_shape(lambda: gpt.init_params(model_cfg, jax.random.key(0),
                                                     coders=autoencoder.coders(pol)))

@@ -5,7 +5,7 @@
     print(table(summary))
 
 With compression.auto="on" the run's uncompressed message plan is priced per
-(mesh axis, kind): its bytes and collectives per step (jcomp.train.stepbytes,
+(mesh axis, kind): its bytes and collectives per step (jcomp.train.auto.stepbytes,
 counted from shapes, not read from a compiled step: the choice must come
 before the step it chooses for is compiled, a baseline compile of a large
 model would cost minutes and memory for nothing else, and the planning CLI,
@@ -27,7 +27,7 @@ mesh as given. compression.compute_s (seconds of a step's computation; 0:
 unknown) turns the predicted communication into a predicted step time.
 
 With compression.trial=N (N > 0) the model prunes and a short trial decides
-(`autopick.weigh_by_trial`, jcomp.train.trial): the uncompressed step is timed first
+(`autopick.weigh_by_trial`, jcomp.train.auto.trial): the uncompressed step is timed first
 (N steps after one of warmup), which calibrates compute (its time less its
 predicted communication); each candidate route whose predicted step is within
 autopick.TRIAL_MARGIN of the best is then timed too, and the fastest measured is taken.
@@ -57,7 +57,7 @@ rests on (the profile file's figures, the checkpoint's decision kept) is
 compared across processes before it is used, and a difference is refused on
 every process in one line (`_agree_on_basis`); the probe's and the trial's
 timings are process 0's on every process, and a stop asked for during the
-trial is agreed by all (jcomp.train.trial).
+trial is agreed by all (jcomp.train.auto.trial).
 """
 from __future__ import annotations
 
@@ -75,8 +75,9 @@ import numpy as np
 from jcomp import tune
 from jcomp.gpt import mesh as mesh_lib
 from jcomp.gpt import policy as policy_lib
-from jcomp.train import faults, stepbytes, trial
-from jcomp.train.autopick import (AS_GIVEN, OUTER_ENTRY, overrides, pick_route,
+from jcomp.train.run import faults
+from jcomp.train.auto import stepbytes, trial
+from jcomp.train.auto.pick import (AS_GIVEN, OUTER_ENTRY, overrides, pick_route,
                                    weigh_by_trial)
 
 UsageError = faults.UsageError
@@ -331,14 +332,14 @@ def saved(workdir) -> tuple[int, dict] | None:
     """(step, decision) recorded by the newest complete checkpoint in `workdir`, or
     None. Read-only: the decision is needed before the workdir is locked, so that
     a config the decision makes invalid leaves the workdir as it was."""
-    from jcomp.train import checkpoint
+    from jcomp.train.run import checkpoint
     steps = []
     for path in glob.glob(os.path.join(workdir, "checkpoints", "*", checkpoint.COMMIT_MARKER)):
         name = os.path.basename(os.path.dirname(path))
         if name.isdigit():
             steps.append(int(name))
     for step in sorted(steps, reverse=True):
-        # Orbax's JsonSave item "meta" (jcomp.train.checkpoint) is this one file.
+        # Orbax's JsonSave item "meta" (jcomp.train.run.checkpoint) is this one file.
         try:
             with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
                 meta = json.load(f)
@@ -354,7 +355,7 @@ def decide(cfg, s: dict, run, mesh, workdir, rows=None):
     `run` is the uncompressed RunSpec of `cfg`, `mesh` the run's mesh (probed when
     compression.profile is ''), `rows` this process's first batch rows (for
     compression.trial)."""
-    from jcomp.train.runspec import validate
+    from jcomp.train.settings.runspec import validate
     kept, s = _basis(s, workdir)
     if kept is not None and s["mode"] == "on":
         step, summary = kept
@@ -377,7 +378,7 @@ def decide(cfg, s: dict, run, mesh, workdir, rows=None):
 
 
 def _by_trial(cfg, s: dict, mesh, rows, flat: dict, others: dict) -> dict:
-    from jcomp.train.runspec import validate
+    from jcomp.train.settings.runspec import validate
     n = len(mesh.devices.flat)
     with trial.Signals() as signals:
         def time_of(d):
@@ -430,7 +431,7 @@ def _agree_on_basis(path: str, kept, profile: tune.Profile | None, error) -> Non
         return
     from jax.experimental import multihost_utils
 
-    from jcomp.train import cluster
+    from jcomp.train.run import cluster
     mine = np.asarray([int(error is not None), kept[0] if kept else -1,
                        *_digest(kept[1] if kept else None),
                        *_digest(profile.to_dict() if profile else None)], np.int32)
@@ -480,7 +481,7 @@ def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict, str | None]:
     links are probed on the split mesh: the per hop route, and an outer loop
     across the split where the budget allows one (`outer_candidate`). With a
     trial, each route's fewest-bytes variant is among the others (`_fewest`)."""
-    from jcomp.train.runspec import validate
+    from jcomp.train.settings.runspec import validate
     every = (s["budget"] or {}).get(OUTER)
     written = s.get("profile")
     if written is None and s["profile_path"]:
@@ -541,7 +542,7 @@ def outer_unfit(cfg, k: int, every: int, n_devices: int) -> str | None:
 
 def _outer_run(cfg, k: int, every: int, n_devices: int):
     """(the uncompressed RunSpec under that outer loop, None) or (None, why not)."""
-    from jcomp.train.runspec import validate
+    from jcomp.train.settings.runspec import validate
     try:
         return validate(uncompressed(with_outer(cfg, k, every)), n_devices), None
     except UsageError as e:
@@ -604,7 +605,7 @@ def _check_reprobe(kept, summary):
 # ------------------------------------------------------------------ text
 
 def _human(n: float) -> str:
-    from jcomp.train.traffic import human
+    from jcomp.train.run.traffic import human
     return human(n)
 
 

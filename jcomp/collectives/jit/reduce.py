@@ -9,7 +9,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jcomp.collectives import arguments, hops, jitspecs, ops
+from jcomp.collectives import arguments, hops, ops
+from jcomp.collectives.jit import specs as jitspecs
 
 
 def groups(plans):

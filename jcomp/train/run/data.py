@@ -1,4 +1,4 @@
-"""Input pipeline: corpora from a source (`jcomp.train.sources`), a stable train/val
+"""Input pipeline: corpora from a source (`jcomp.train.run.sources`), a stable train/val
 split, tokenizers, and batches.
 
 Everything is plain numpy (JAX only to read a sharding's rows), needs no network
@@ -35,7 +35,7 @@ from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from jcomp.train.sources import TOKEN_DTYPES, Doc, kjv_documents, sample_chunks, text_documents, token_file
+from jcomp.train.run.sources import TOKEN_DTYPES, Doc, kjv_documents, sample_chunks, text_documents, token_file
 
 # Blank line between documents: the Bible's verses are joined with one "\n",
 # so a model sees chapter ends as "\n\n" and decoded text stays readable.

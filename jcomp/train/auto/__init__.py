@@ -1,0 +1,1 @@
+"""compression.auto: codecs chosen from a profile, by prediction or by trial."""

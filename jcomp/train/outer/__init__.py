@@ -1,0 +1,1 @@
+"""The outer loop: islands' state and sync, delayed merges, fragments."""

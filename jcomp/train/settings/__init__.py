@@ -1,0 +1,1 @@
+"""The run's settings: the config read once, checked, into frozen values."""

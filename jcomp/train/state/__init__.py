@@ -1,0 +1,1 @@
+"""The train state and its steps: restored or initialised, each phase's compiled step."""
