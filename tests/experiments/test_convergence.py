@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from experiments import convergence as conv
+from experiments import convergence_specs as conv_specs
+from experiments import convergence_summary as conv_sum
 from experiments import report
 from experiments import seeds as seeds_lib
 
@@ -127,7 +129,7 @@ def _records(val, wire_total=100.0):
 
 
 def test_summarize_takes_final_best_and_first_wire_record():
-    s = conv.summarize(_records([(2, 3.0), (4, 2.5), (6, 2.7)]))
+    s = conv_sum.summarize(_records([(2, 3.0), (4, 2.5), (6, 2.7)]))
     assert s["final_val_loss"] == 2.7 and s["best_val_loss"] == 2.5 and s["steps"] == 6
     assert s["wire_bytes"] == {"data": 50.0, "tensor": 50.0, "pipeline": 0.0}
     assert s["wire_bytes_total"] == 100.0
@@ -135,13 +137,13 @@ def test_summarize_takes_final_best_and_first_wire_record():
 
 def test_summarize_keeps_the_last_record_of_a_repeated_step():
     recs = _records([(2, 3.0), (4, 2.5)]) + [{"step": 4, "loss": 2.0, "val_loss": 2.4}]
-    assert conv.summarize(recs)["final_val_loss"] == 2.4
+    assert conv_sum.summarize(recs)["final_val_loss"] == 2.4
 
 
 def test_nan_loss_stays_nan():
-    s = conv.summarize(_records([(2, 3.0), (4, math.nan)]))
+    s = conv_sum.summarize(_records([(2, 3.0), (4, math.nan)]))
     assert math.isnan(s["final_val_loss"])
-    assert math.isnan(conv.gap_pct(s["final_val_loss"], 3.0))
+    assert math.isnan(conv_sum.gap_pct(s["final_val_loss"], 3.0))
 
 
 def test_comparisons_against_baseline():
@@ -149,19 +151,19 @@ def test_comparisons_against_baseline():
                  wire_bytes={"data": 200.0, "tensor": 200.0, "pipeline": 0.0}),
             dict(name="x", final_val_loss=2.02, best_val_loss=1.9, wire_bytes_total=100.0,
                  wire_bytes={"data": 20.0, "tensor": 80.0, "pipeline": 0.0})]
-    conv.add_comparisons(runs)
+    conv_sum.add_comparisons(runs)
     assert runs[1]["gap_pct"] == pytest.approx(1.0)
     assert runs[1]["best_gap_pct"] == pytest.approx(-5.0)
     assert runs[1]["byte_ratio"] == 0.25
     assert runs[1]["byte_ratio_by_axis"] == {"data": 0.1, "tensor": 0.4, "pipeline": None}
     with pytest.raises(ValueError, match="baseline"):
-        conv.add_comparisons(runs[1:])
+        conv_sum.add_comparisons(runs[1:])
 
 
 def test_suites_and_bad_arguments():
-    names = lambda suite: [s["name"] for s in conv.select(suite)]
+    names = lambda suite: [s["name"] for s in conv_specs.select(suite)]
     assert names("main") == ["baseline", "naive", "hybrid", "hybrid_paper"]
-    assert sorted(names("seeds")) == sorted(conv.SEED_RUNS)
+    assert sorted(names("seeds")) == sorted(conv_specs.SEED_RUNS)
     assert names("ablation") == ["baseline", "only_data", "only_tensor", "only_pipeline"]
     sweep = names("sweep")
     # baseline, 6 gradient codecs x EF on/off, PowerSGD, 3 activation codecs, the autoencoder
@@ -173,51 +175,51 @@ def test_suites_and_bad_arguments():
     assert names("places") == ["baseline", "tensor_int2", "tensor_int2_layers_0-1",
                                "tensor_int2_layers_2-3", "pipeline_int2",
                                "pipeline_int2_stages_0", "pipeline_int2_stages_1"]
-    late = next(s for s in conv.run_specs() if s["name"] == "tensor_int2_layers_2-3")
+    late = next(s for s in conv_specs.run_specs() if s["name"] == "tensor_int2_layers_2-3")
     assert {"--config.compression.tensor.act=int2", "--config.compression.layers.tensor.act=2-3",
             "--config.compression.layers.tensor.act_grad=2-3"} <= set(
-        conv.train_args(late, "configs/base.py", 100, 20, 10))
-    ae = next(s for s in conv.run_specs() if s["name"] == "act_ae32")
-    assert "--config.compression.tensor.act_grad=ae:dim=32" in conv.train_args(
+        conv_specs.train_args(late, "configs/base.py", 100, 20, 10))
+    ae = next(s for s in conv_specs.run_specs() if s["name"] == "act_ae32")
+    assert "--config.compression.tensor.act_grad=ae:dim=32" in conv_specs.train_args(
         ae, "configs/base.py", 100, 20, 10)
-    spec = next(s for s in conv.run_specs() if s["name"] == "grad_int2_efoff")
-    args = conv.train_args(spec, "configs/base.py", 100, 20, 10)
+    spec = next(s for s in conv_specs.run_specs() if s["name"] == "grad_int2_efoff")
+    args = conv_specs.train_args(spec, "configs/base.py", 100, 20, 10)
     assert "--config.compression.data.grad=int2" in args
     assert "--config.compression.error_feedback=off" in args
-    assert "--config.seed=3" in conv.train_args(spec, "configs/base.py", 100, 20, 10, seed=3)
-    assert conv.workdir_name(spec, 600) == "grad_int2_efoff-600steps"
-    assert conv.workdir_name(spec, 600, 2) == "grad_int2_efoff-600steps-seed2"
+    assert "--config.seed=3" in conv_specs.train_args(spec, "configs/base.py", 100, 20, 10, seed=3)
+    assert conv_specs.workdir_name(spec, 600) == "grad_int2_efoff-600steps"
+    assert conv_specs.workdir_name(spec, 600, 2) == "grad_int2_efoff-600steps-seed2"
     # The paper's recipe keeps its meaning whatever the hybrid preset becomes.
-    paper = next(s for s in conv.run_specs() if s["name"] == "hybrid_paper")
+    paper = next(s for s in conv_specs.run_specs() if s["name"] == "hybrid_paper")
     assert paper["policy"] == "baseline" and paper["overrides"]["data.grad"] == "int4"
     with pytest.raises(ValueError, match="--seeds"):
         conv.parse_args(["--seeds", "1", "1"])
     with pytest.raises(ValueError, match="suite"):
-        conv.select("everything")
+        conv_specs.select("everything")
     with pytest.raises(ValueError, match="--only"):
-        conv.select("main", ["nope"])
+        conv_specs.select("main", ["nope"])
     with pytest.raises(ValueError, match="--warmup"):
         conv.parse_args(["--steps", "10", "--warmup", "10"])
 
 
 def test_the_hops_suite_codes_the_same_data_messages_on_one_hop_or_the_whole_axis():
-    specs = {s["name"]: s for s in conv.select("hops")}
+    specs = {s["name"]: s for s in conv_specs.select("hops")}
     assert list(specs) == ["baseline", "hop_flat", "hop_perhop", "hop_auto100mbit",
                            "hop_auto_param8", "hop_auto_act8", "hop_auto_act8_param8",
                            "hop_flat_act8", "hop_perhop_fewest"]
-    flat = conv.train_args(specs["hop_flat"], "configs/base.py", 600, 120, 60)
-    perhop = conv.train_args(specs["hop_perhop"], "configs/base.py", 600, 120, 60)
+    flat = conv_specs.train_args(specs["hop_flat"], "configs/base.py", 600, 120, 60)
+    perhop = conv_specs.train_args(specs["hop_perhop"], "configs/base.py", 600, 120, 60)
     assert {"--config.compression.data.grad=int4:rot",
             "--config.compression.data.param=int8"} <= set(flat)
     assert {"--config.compression.dcn.grad=int4:rot", "--config.compression.dcn.param=int8",
             "--config.mesh.dcn_data=2"} <= set(perhop)
     assert not any(a.startswith("--config.compression.data.") for a in perhop)
-    auto = conv.train_args(specs["hop_auto100mbit"], "configs/base.py", 600, 120, 60)
+    auto = conv_specs.train_args(specs["hop_auto100mbit"], "configs/base.py", 600, 120, 60)
     assert {"--config.compression.data.grad=int8", "--config.compression.data.param=int8",
             "--config.compression.dcn.grad=int4:rot", "--config.compression.dcn.param=int8",
             "--config.mesh.dcn_data=2"} <= set(auto)
-    param8 = conv.train_args(specs["hop_auto_param8"], "configs/base.py", 600, 120, 60)
-    act8 = conv.train_args(specs["hop_auto_act8"], "configs/base.py", 600, 120, 60)
+    param8 = conv_specs.train_args(specs["hop_auto_param8"], "configs/base.py", 600, 120, 60)
+    act8 = conv_specs.train_args(specs["hop_auto_act8"], "configs/base.py", 600, 120, 60)
     across = {"--config.compression.dcn.grad=int4:rot", "--config.compression.dcn.param=int8",
               "--config.mesh.dcn_data=2"}
     assert across | {"--config.compression.data.param=int8"} <= set(param8)
@@ -225,12 +227,12 @@ def test_the_hops_suite_codes_the_same_data_messages_on_one_hop_or_the_whole_axi
     assert across | {"--config.compression.tensor.act=int8",
                      "--config.compression.tensor.act_grad=int8"} <= set(act8)
     assert not any(a.startswith("--config.compression.data.") for a in act8)
-    both = conv.train_args(specs["hop_auto_act8_param8"], "configs/base.py", 600, 120, 60)
+    both = conv_specs.train_args(specs["hop_auto_act8_param8"], "configs/base.py", 600, 120, 60)
     assert set(act8) | set(param8) <= set(both)  # both sets of codecs at once
     assert not any(a.startswith("--config.compression.data.grad") for a in both)
     # Each route at the default budget's most compressed codecs.
-    flat8 = conv.train_args(specs["hop_flat_act8"], "configs/base.py", 600, 120, 60)
-    fewest = conv.train_args(specs["hop_perhop_fewest"], "configs/base.py", 600, 120, 60)
+    flat8 = conv_specs.train_args(specs["hop_flat_act8"], "configs/base.py", 600, 120, 60)
+    fewest = conv_specs.train_args(specs["hop_perhop_fewest"], "configs/base.py", 600, 120, 60)
     tensor8 = {"--config.compression.tensor.act=int8", "--config.compression.tensor.act_grad=int8"}
     assert set(flat) | tensor8 <= set(flat8) and "--config.mesh.dcn_data=2" not in flat8
     assert set(flat) | tensor8 | across <= set(fewest)
@@ -370,8 +372,8 @@ def test_mean_interval_is_the_student_t_interval():
 
 
 def _fake_run(out, name, steps, seed, val, wire=100.0, **first):
-    spec = next(s for s in conv.run_specs() if s["name"] == name)
-    wd = out / conv.workdir_name(spec, steps, seed)
+    spec = next(s for s in conv_specs.run_specs() if s["name"] == name)
+    wd = out / conv_specs.workdir_name(spec, steps, seed)
     wd.mkdir(parents=True)
     recs = [{"step": 1, "loss": 5.0, "wire_bytes_total": wire, "wire_bytes_data": wire, **first}]
     recs += [{"step": s, "loss": val + 1.0 / s, "val_loss": val if s == steps else val + 0.5}
@@ -389,9 +391,9 @@ def test_seeds_pair_each_run_with_the_baseline_of_its_seed(tmp_path):
         _fake_run(tmp_path, "baseline", steps, seed, b)
         _fake_run(tmp_path, "naive", steps, seed, b * 1.01, wire=13.0)
     _fake_run(tmp_path, "hybrid_paper", steps, 0, 2.0)  # one seed only
-    assert conv.seeds_on_disk(str(tmp_path), steps) == [0, 1, 2]
-    assert conv.seeds_on_disk(str(tmp_path), 9) == []
-    runs = conv.collect(str(tmp_path), steps, lambda spec, seed=0: [f"--config.seed={seed}"],
+    assert conv_sum.seeds_on_disk(str(tmp_path), steps) == [0, 1, 2]
+    assert conv_sum.seeds_on_disk(str(tmp_path), 9) == []
+    runs = conv_sum.collect(str(tmp_path), steps, lambda spec, seed=0: [f"--config.seed={seed}"],
                         seeds=[0, 1, 2])
     assert [(r["name"], r["seed"]) for r in runs][:3] == [("baseline", 0), ("naive", 0),
                                                           ("hybrid_paper", 0)]
@@ -482,11 +484,11 @@ def test_the_frontier_keeps_the_settings_no_other_beats_on_bytes_and_interval():
 
 def test_hybrid_preset_setting_matches_the_policy_table():
     settings = [dict(name=s["name"], overrides=s["overrides"], policy=s["policy"],
-                     error_feedback=s["error_feedback"]) for s in conv.run_specs()]
+                     error_feedback=s["error_feedback"]) for s in conv_specs.run_specs()]
     name = report.hybrid_preset_setting(settings)
     assert name is not None
     from jcomp.gpt import policy
-    spec = next(s for s in conv.run_specs() if s["name"] == name)
+    spec = next(s for s in conv_specs.run_specs() if s["name"] == name)
     ef = {"on": True, "off": False}.get(spec["error_feedback"])
     assert policy.build(spec["policy"], spec["overrides"], ef) == policy.preset("hybrid")
 
@@ -530,18 +532,19 @@ def test_a_forward_codec_that_moves_the_loss_beyond_the_seed_spread_is_flagged()
 
 def test_the_outer_suite_reports_bytes_across_the_slow_hop_against_the_uncoded_two_hop_run(
         tmp_path):
-    names = [sp["name"] for sp in conv.select("outer")]
+    names = [sp["name"] for sp in conv_specs.select("outer")]
     assert names[:2] == ["baseline", "hop_raw"]
     assert {"outer_h50_f2_int4rot", "outer_h10_f2_int4rot", "outer_h10_sparseloco_k64",
             "outer_h10_lr0.3_m0.7_none"} <= set(names) and "outer_h50_f5_int4rot" not in names
-    sparse = next(sp for sp in conv.run_specs() if sp["name"] == "outer_h10_sparseloco_k256")
+    sparse = next(sp for sp in conv_specs.run_specs() if sp["name"] == "outer_h10_sparseloco_k256")
     assert "--config.outer.codec=sparseloco:k=256:chunk=4096:beta=0.95:coder=index" in \
-        conv.train_args(sparse, "configs/base.py", 600, 120, 60)
-    packed = next(sp for sp in conv.run_specs() if sp["name"] == "outer_h10_sparseloco_packed_k256")
-    assert "--config.outer.codec=sparseloco:k=256:chunk=4096:beta=0.95" in conv.train_args(
+        conv_specs.train_args(sparse, "configs/base.py", 600, 120, 60)
+    packed = next(sp for sp in conv_specs.run_specs()
+                  if sp["name"] == "outer_h10_sparseloco_packed_k256")
+    assert "--config.outer.codec=sparseloco:k=256:chunk=4096:beta=0.95" in conv_specs.train_args(
         packed, "configs/base.py", 600, 120, 60)
-    h10 = next(sp for sp in conv.run_specs() if sp["name"] == "outer_h10_topk3_ef")
-    args = conv.train_args(h10, "configs/base.py", 600, 120, 60)
+    h10 = next(sp for sp in conv_specs.run_specs() if sp["name"] == "outer_h10_topk3_ef")
+    args = conv_specs.train_args(h10, "configs/base.py", 600, 120, 60)
     for flag in ("--config.mesh.dcn_data=2", "--config.outer.every=10",
                  "--config.outer.codec=topk:0.03", "--config.outer.error_feedback=on"):
         assert flag in args
@@ -553,7 +556,7 @@ def test_the_outer_suite_reports_bytes_across_the_slow_hop_against_the_uncoded_t
         # A run that counts every byte across islands: its total, not its syncs alone.
         _fake_run(tmp_path, "outer_h10_sparseloco_packed_k256", steps, seed, 2.01,
                   outer_bytes_per_step=8.0, outer_across_bytes_per_step=10.0)
-    runs = conv.collect(str(tmp_path), steps, lambda spec, seed=0: [], seeds=[0, 1])
+    runs = conv_sum.collect(str(tmp_path), steps, lambda spec, seed=0: [], seeds=[0, 1])
     sts = seeds_lib.settings(runs)
     by = {st["name"]: st for st in sts}
     assert by["baseline"]["across_bytes"] is None  # one hop: nothing is "across"

@@ -7,6 +7,8 @@ import shutil
 import pytest
 
 from experiments import convergence as conv
+from experiments import convergence_specs as conv_specs
+from experiments import convergence_summary as conv_sum
 from experiments import report
 from experiments import runlog
 from jcomp.train.run import metrics as metrics_lib
@@ -17,8 +19,8 @@ STEPS = 6
 def _run_folder(study, name, seed, val, wire=100.0, restarts=None):
     """A finished run's folder as train.py and convergence.py leave it, with
     metrics no report reads beside those it does."""
-    spec = next(s for s in conv.run_specs() if s["name"] == name)
-    wd = study / conv.workdir_name(spec, STEPS, seed)
+    spec = next(s for s in conv_specs.run_specs() if s["name"] == name)
+    wd = study / conv_specs.workdir_name(spec, STEPS, seed)
     wd.mkdir(parents=True)
     recs = [{"step": 1, "loss": 5.0, "grad_norm": 2.0, "step_time_s": 0.5, "tokens_per_s": 9.0,
              "wire_bytes_total": wire, "wire_bytes_data": wire / 2, "wire_bytes_tensor": wire / 4,
@@ -47,7 +49,7 @@ def study(tmp_path):
 
 
 def _collect(study):
-    return conv.collect(str(study), STEPS, lambda spec, seed=0: [], seeds=[0, 1])
+    return conv_sum.collect(str(study), STEPS, lambda spec, seed=0: [], seeds=[0, 1])
 
 
 def _drop_run_folders(study):
@@ -70,7 +72,7 @@ def test_rows_from_runs_jsonl_equal_rows_from_the_folders(study):
     assert "restarts" not in from_summary[1]
     assert naive1["final_val_loss_compressed"] == pytest.approx(2.2 * 1.01 + 0.01)
     assert naive1["byte_ratio"] == pytest.approx(0.13)
-    assert conv.seeds_on_disk(str(study), STEPS) == [0, 1]
+    assert conv_sum.seeds_on_disk(str(study), STEPS) == [0, 1]
 
 
 def test_runs_jsonl_keeps_the_read_fields_of_every_record(study):
@@ -105,7 +107,7 @@ def test_plots_from_runs_jsonl_equal_plots_of_the_run_folders(study, tmp_path):
                                tmp_path / "folders.png")
     runlog.write(study)
     _drop_run_folders(study)
-    assert conv.draw_plots(str(study), first) == {"main": "main_loss.png"}
+    assert conv_sum.draw_plots(str(study), first) == {"main": "main_loss.png"}
     assert (study / "main_loss.png").read_bytes() == open(folders, "rb").read()
 
 
@@ -163,7 +165,7 @@ def test_a_malformed_runs_jsonl_is_a_value_error_naming_the_file(tmp_path, conte
         runlog.read(tmp_path)
     assert str(tmp_path / runlog.RUNS_FILE) + ":" in str(e.value)
     with pytest.raises(ValueError, match=message):
-        conv.collect(str(tmp_path), STEPS, lambda spec, seed=0: [])
+        conv_sum.collect(str(tmp_path), STEPS, lambda spec, seed=0: [])
 
 
 def test_a_missing_runs_jsonl_is_a_value_error_naming_the_file(tmp_path):
