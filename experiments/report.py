@@ -38,8 +38,7 @@ import subprocess
 import sys
 
 from experiments import probelink, report_network, report_streaming
-from experiments import runlog
-from experiments import seeds as seeds_lib
+from experiments import report_seeds, runlog
 from jcomp.train.run.metrics import human_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -609,8 +608,9 @@ def build(results, page_dir: str) -> str:
                 claims.append(f"`{rel(path)}` is a --quick smoke run: its numbers test the "
                               "scripts, not the papers.")
             if len(s.get("seeds", [0])) > 1:
-                page += [seeds_lib.section(s, rel(os.path.dirname(path)), compressed_what, table), ""]
-                found += seeds_lib.claims(s, hybrid_preset_setting(s["settings"]))
+                page += [report_seeds.section(s, rel(os.path.dirname(path)), compressed_what,
+                                              table), ""]
+                found += report_seeds.claims(s, hybrid_preset_setting(s["settings"]))
                 continue
             page += [convergence_section(s, rel(os.path.dirname(path))), ""]
             found += [f"[{s['steps']} steps] {c}" for c in convergence_claims(s)]

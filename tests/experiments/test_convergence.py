@@ -13,6 +13,7 @@ from experiments import convergence as conv
 from experiments import convergence_specs as conv_specs
 from experiments import convergence_summary as conv_sum
 from experiments import report
+from experiments import report_seeds
 from experiments import seeds as seeds_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -437,7 +438,7 @@ def test_seed_claims_name_the_target_setting_and_the_rotation_verdict():
         st("hybrid_paper", [2.0, 3.0, 2.5], 0.245)],
         runs=runs("naive", [2.06, 2.07, 2.05]) + runs("hybrid_b", [2.0, 2.01, 2.0])
         + runs("grad_int4rot_efoff", [2.0, 2.0, 2.01]) + runs("grad_int4_efoff", [2.1, 2.1, 2.1]))
-    text = "\n".join(seeds_lib.claims(summary, "hybrid_a"))
+    text = "\n".join(report_seeds.claims(summary, "hybrid_a"))
     # hybrid_b has fewer bytes but its interval reaches past +1%; hybrid_a's does not.
     assert "at most 1/6 of the baseline's bytes: hybrid_a (0.150" in text
     assert "The hybrid preset (jcomp.gpt.policy) is the setting hybrid_a." in text
@@ -447,7 +448,7 @@ def test_seed_claims_name_the_target_setting_and_the_rotation_verdict():
     assert "closest-bytes hybrid setting hybrid_b" in text and "holds here" in text
     summary["settings"] = [s for s in summary["settings"] if s["name"] != "hybrid_a"]
     assert "No setting has its gap's 95% interval below +1%" in "\n".join(
-        seeds_lib.claims(summary, None))
+        report_seeds.claims(summary, None))
 
 
 def test_the_frontier_keeps_the_settings_no_other_beats_on_bytes_and_interval():
@@ -461,24 +462,24 @@ def test_the_frontier_keeps_the_settings_no_other_beats_on_bytes_and_interval():
     # mid_worse has more bytes and a higher interval than mid_good; one seed has
     # no interval and the baseline is the reference, not a point.
     assert got == ["cheap_bad", "mid_good", "dear_best"]
-    text = seeds_lib.section(dict(model=dict(d_model=8, n_layers=1), steps=600, seeds=[0, 1, 2],
-                                  config="c", batch_size=2, seq_len=4, mesh=[2, 2, 2],
-                                  warmup_steps=1, plots={"frontier": "f.png"},
-                                  settings=[dict(s, seeds=[0, 1, 2], val_loss=s["gap_pct"],
-                                                 git_commits=["abc"]) for s in sts]),
-                             "results/x", lambda s: "-", report.table)
+    text = report_seeds.section(dict(model=dict(d_model=8, n_layers=1), steps=600, seeds=[0, 1, 2],
+                                     config="c", batch_size=2, seq_len=4, mesh=[2, 2, 2],
+                                     warmup_steps=1, plots={"frontier": "f.png"},
+                                     settings=[dict(s, seeds=[0, 1, 2], val_loss=s["gap_pct"],
+                                                    git_commits=["abc"]) for s in sts]),
+                                "results/x", lambda s: "-", report.table)
     rows = text[text.index("| setting | bytes vs baseline |"):].splitlines()[2:5]
     assert [r.split("|")[1].strip() for r in rows] == got
     assert rows[1].split("|")[-2].strip() == "yes" and rows[2].split("|")[-2].strip() == "no"
     assert "![loss gap against bytes](results/x/f.png)" in text
     assert "Resumed" not in text
     runs = [dict(name="mid_good", seed=1, restarts=[{"stuck_after_step": 560, "log": "stuck1.log"}])]
-    text = seeds_lib.section(dict(model=dict(d_model=8, n_layers=1), steps=600, seeds=[0, 1, 2],
-                                  config="c", batch_size=2, seq_len=4, mesh=[2, 2, 2],
-                                  warmup_steps=1, plots={}, runs=runs,
-                                  settings=[dict(s, seeds=[0, 1, 2], val_loss=s["gap_pct"],
-                                                 git_commits=["abc"]) for s in sts]),
-                             "results/x", lambda s: "-", report.table)
+    text = report_seeds.section(dict(model=dict(d_model=8, n_layers=1), steps=600, seeds=[0, 1, 2],
+                                     config="c", batch_size=2, seq_len=4, mesh=[2, 2, 2],
+                                     warmup_steps=1, plots={}, runs=runs,
+                                     settings=[dict(s, seeds=[0, 1, 2], val_loss=s["gap_pct"],
+                                                    git_commits=["abc"]) for s in sts]),
+                                "results/x", lambda s: "-", report.table)
     assert text.rstrip().endswith("mid_good seed 1 (after step 560).")
 
 
@@ -526,7 +527,7 @@ def test_a_forward_codec_that_moves_the_loss_beyond_the_seed_spread_is_flagged()
     assert sts["hybrid"]["compressed_minus_exact"]["mean"] == pytest.approx(-0.05)
     assert sts["calm"]["forward_codec_flag"] is False
     assert "val_loss_compressed" not in sts["grad_only"]
-    cells = [seeds_lib._forward_cell(sts[n]) for n in ("hybrid", "calm", "grad_only")]
+    cells = [report_seeds._forward_cell(sts[n]) for n in ("hybrid", "calm", "grad_only")]
     assert "**FLAG**" in cells[0] and "FLAG" not in cells[1] and cells[2].startswith("= exact")
 
 
@@ -563,6 +564,6 @@ def test_the_outer_suite_reports_bytes_across_the_slow_hop_against_the_uncoded_t
     assert by["hop_raw"]["across_bytes"] == 5000.0
     assert by["outer_h10_int4rot"]["across_bytes"] == 50.0
     assert by["outer_h10_sparseloco_packed_k256"]["across_bytes"] == 10.0
-    text = "\n".join(seeds_lib.across_table(sts, report.table))
+    text = "\n".join(report_seeds.across_table(sts, report.table))
     row = next(line for line in text.splitlines() if line.startswith("| outer_h10_int4rot"))
     assert "| 0.0100 | 100x | +1.00 |" in row
