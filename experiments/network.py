@@ -78,6 +78,10 @@ Results go to --out (JSON, written after every row). A row already there with
 the same settings and git commit is skipped, so an interrupted sweep resumes
 (rows made with modified tracked files are never reused); rows of other
 commits are kept beside the new ones.
+
+This module is the sweep and its command line: the policies and one run's
+launch are network_launch.py's, a row's figures and the time to the
+baseline's loss network_figures.py's.
 """
 from __future__ import annotations
 
@@ -87,290 +91,18 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-from jcomp.train.auto import decide as auto_lib
+from experiments.network_figures import summarize, time_to_target
+from experiments.network_launch import POLICIES, TOTAL_DEVICES, _flags, launch
 from tools.netns import BURST, PREFIX, Namespace, Pair, Unavailable, rate_bits, remove_stale  # noqa: F401
 from tools.netns import _run, signals_deferred, unavailable_reason  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join("experiments", "results", "network.json")
 HOPS_OUT = os.path.join("experiments", "results", "network_hops.json")
-TOTAL_DEVICES = 8
-OUTER = {"outer.every": "10", "outer.lr": "1.0", "outer.momentum": "0.0"}
-POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those sections')
-    "baseline": {"policy": "baseline"},
-    "naive": {"policy": "naive"},
-    # The preset of the commit that runs it: report_network.HYBRID_PRESETS says what
-    # it was at each commit (before 3c5f7d1, the paper's recipe, now hybrid_paper).
-    "hybrid": {"policy": "hybrid"},
-    # The hybrid preset within compression.auto's default budget: int8, not
-    # int4:rot, on the tensor messages (DEFAULT_LADDERS' "act" and "act_grad").
-    "hybrid_act8": {"policy": "hybrid", "tensor.act": "int8", "tensor.act_grad": "int8"},
-    # The 200-step runs' best setting, which meets both targets at a quarter of the
-    # bytes: the paper's recipe with int8 gradients and int4 tensor act_grad.
-    "best": {"policy": "hybrid_paper", "error_feedback": "off", "data.grad": "int8",
-             "tensor.act_grad": "int4"},
-    # The seeds suite's mx_nvfp4rot (experiments/convergence.py): nvfp4:rot tensor
-    # messages and pipeline backward sends, for the preset rule's speed condition.
-    "mx_nvfp4rot": {"policy": "baseline", "error_feedback": "off", "data.param": "int8",
-                    "data.grad": "int4:rot", "tensor.act": "nvfp4:rot",
-                    "tensor.act_grad": "nvfp4:rot", "pipeline.act": "int8",
-                    "pipeline.act_grad": "nvfp4"},
-    # Per hop: the data axis split into a slow hop between the processes (dcn)
-    # and a fast one inside each; only what crosses the slow hop is coded.
-    "perhop": {"policy": "baseline", "mesh.dcn_data": "2", "dcn.grad": "int4:rot",
-               "dcn.param": "int8"},
-    # The hybrid preset with its data messages moved to the slow hop (raw on the
-    # fast one): against "hybrid" it differs only in where the data axis codes,
-    # so the two compare the hops alone. configs/multinode.py's compression.
-    "hybrid_perhop": {"policy": "hybrid", "mesh.dcn_data": "2", "data.grad": "none",
-                      "data.param": "none", "dcn.grad": "int4:rot", "dcn.param": "int8"},
-    # An outer loop across the slow hop: each process an island that trains
-    # alone, nothing coded inside; every 10 steps the islands exchange int4:rot
-    # pseudo-gradients and step to their mean (outer lr 1, no momentum: the
-    # convergence suite's choice, experiments/convergence.py OUTER_RUNS).
-    "diloco": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER,
-               "outer.codec": "int4:rot", "outer.error_feedback": "off"},
-    # Streaming DiLoCo's two halves: the model in 2 fragments of 2 layers, one
-    # syncing every 5 steps, blocking (diloco_f2) or started after its step and
-    # merged 1 step later, its exchange carried by the next step's program
-    # (streaming: outer.delay=1, the islands keep outer.mix=0.5 of their own).
-    "diloco_f2": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER, "outer.fragments": "2",
-                  "outer.codec": "int4:rot", "outer.error_feedback": "off"},
-    "streaming": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER, "outer.fragments": "2",
-                  "outer.delay": "1", "outer.codec": "int4:rot",
-                  "outer.error_feedback": "off"},
-    # The same with SparseLoCo's pseudo-gradients: top-k 3% with error feedback.
-    "sparseloco": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER,
-                   "outer.codec": "topk:0.03", "outer.error_feedback": "on"},
-    # compression.auto: the codec per axis and kind chosen at start from a probe of
-    # the run's own mesh (jcomp.train.auto.decide), which with two processes weighs the
-    # per-hop split (mesh.dcn_data=2) too; auto_perhop is given that split. As
-    # configs/auto.py, the candidates the model cannot tell apart are timed for
-    # 6 steps each before training (compression.trial).
-    "auto": {"policy": "baseline", "auto": "on", "trial": "6"},
-    "auto_perhop": {"policy": "baseline", "mesh.dcn_data": "2", "auto": "on", "trial": "6"},
-    # The same allowed an outer loop syncing every 10 steps (compression.budget
-    # outer=10: the loss of diloco's setting accepted), weighed beside the routes.
-    "auto_outer": {"policy": "baseline", "auto": "on", "trial": "6", "budget": "outer=10"},
-}
-
-
-# ---------------------------------------------------------------- one run
-
-def _flags(policy: str, overrides: dict) -> list[str]:
-    out = []
-    for key, value in POLICIES[policy].items():
-        section = "" if key.startswith(("mesh.", "outer.")) else "compression."
-        out.append(f"--config.{section}{key}={value}")
-    out += [f"--config.{k}={v}" for k, v in overrides.items()]
-    return out
-
-
-def _kill(procs):
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        p.wait()
-
-
-def _new_records(path, state):
-    """Complete lines appended to metrics.jsonl since the last call."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(state["offset"])
-            chunk = f.read()
-    except FileNotFoundError:
-        return []
-    end = chunk.rfind(b"\n") + 1
-    state["offset"] += end
-    return [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
-
-
-def launch(ns: Namespace, settings: dict, workdir: str, timeout: float, port: int,
-           xla_flags: str = "") -> dict:
-    """Runs train.py as settings['procs'] processes inside `ns`; returns the raw
-    measurements (records, lo counters at each step's record, times)."""
-    n = settings["procs"]
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--config={settings['config']}",
-           f"--workdir={workdir}", f"--config.train.steps={settings['steps']}",
-           "--config.train.log_every=1", f"--config.train.eval_every={settings['eval_every']}",
-           f"--config.optim.warmup_steps={settings['warmup_steps']}",
-           f"--config.checkpoint.every={settings['steps']}",
-           *_flags(settings["policy"], settings["set"]),
-           f"--coordinator_address={ns.coordinator_host}:{port}", f"--num_processes={n}",
-           f"--cpu_devices={settings.get('devices', TOTAL_DEVICES) // n}"]
-    env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
-    for name in ("JCOMP_COORDINATOR", "JCOMP_NUM_PROCESSES", "JCOMP_PROCESS_ID"):
-        env.pop(name, None)
-    metrics = os.path.join(workdir, "metrics.jsonl")
-    state, records, marks = {"offset": 0}, [], {}
-    procs = []
-    before = ns.counters()
-    t0 = time.monotonic()
-    try:
-        for i in range(n):
-            log = open(os.path.join(workdir, f"process{i}.log"), "w")
-            with signals_deferred():  # a signal inside Popen would lose the child
-                procs.append(subprocess.Popen(ns.exec_args(cmd + [f"--process_id={i}"], process=i),
-                                              cwd=ROOT, env=env, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
-            log.close()
-        while True:
-            new = _new_records(metrics, state)
-            if new:
-                reading = (ns.counters(), time.monotonic() - t0)
-                for r in new:
-                    if "step" in r:  # not compression.auto's decision record
-                        marks[r["step"]] = reading
-                records += new
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            if any(c not in (None, 0) for c in codes):
-                time.sleep(2)  # let the other process write its error too
-                raise RuntimeError(f"train.py exited with {codes}")
-            if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"timed out after {timeout:.0f} s "
-                                   f"(at step {max(marks, default=0)} of {settings['steps']})")
-            time.sleep(0.005)
-        records += _new_records(metrics, state)
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"train.py exited with {[p.returncode for p in procs]}")
-    except RuntimeError as e:
-        tail = ""
-        for i in range(len(procs)):
-            with open(os.path.join(workdir, f"process{i}.log"), errors="replace") as f:
-                lines = [l for l in f.read().splitlines() if l.strip() and "Gloo" not in l]
-            tail += f" | process {i}: {' / '.join(lines[-3:])}"
-        raise RuntimeError(f"{e}{tail}") from None
-    finally:
-        _kill(procs)
-    return dict(records=records, marks=marks, before=before, after=ns.counters(),
-                wall_s=time.monotonic() - t0, header_bytes=ns.header_bytes())
-
-
-def summarize(raw: dict, warm_steps: int) -> dict:
-    """A row's figures from launch()'s measurements (see the module doc)."""
-    by_step, auto = {}, None
-    for r in raw["records"]:
-        if "step" not in r:
-            auto = r.get("auto", auto)  # compression.auto's decision, logged first
-            continue
-        by_step[r["step"]] = {**by_step.get(r["step"], {}), **r}
-    steps = sorted(by_step)
-    last = steps[-1]
-    static = next(r for r in raw["records"] if "wire_bytes_total" in r)
-    devices = int(static["devices"])
-    marks = raw["marks"]
-    evals = {s for s in steps if "val_loss" in by_step[s]}
-    window = [s for s in steps if s > warm_steps and s not in evals and s - 1 in marks]
-    deltas = [marks[s][0][0] - marks[s - 1][0][0] for s in window]
-    packets = [marks[s][0][1] - marks[s - 1][0][1] for s in window]
-    retrans = [marks[s][0][2] - marks[s - 1][0][2] for s in window]
-    times = [by_step[s]["step_time_s"] for s in steps if s > warm_steps]
-    meter = float(static["wire_bytes_total"]) * devices
-    kernel = sum(deltas) / len(deltas) if deltas else None
-    per_packet = sum(packets) / len(packets) if packets else None
-    # What TCP carried: the kernel's bytes less every packet's headers (the ACKs'
-    # included), i.e. gloo's payload, its own framing and any retransmission.
-    payload = kernel - raw["header_bytes"] * per_packet if deltas else None
-    return dict(
-        median_step_s=statistics.median(times), step_times_s=[by_step[s]["step_time_s"] for s in steps],
-        losses=[by_step[s]["loss"] for s in steps],
-        val_losses={str(s): by_step[s]["val_loss"] for s in sorted(evals)},
-        # val_loss is the exact forward's since row-local blocks (train.py writes
-        # val_loss_compressed beside it); rows without this mark were read
-        # through a compressed forward whose blocks spanned tokens.
-        exact_eval=True,
-        final_loss=by_step[last]["loss"], final_val_loss=by_step[last].get("val_loss"),
-        devices=devices,
-        wire_bytes_per_device={k[len("wire_bytes_"):]: v for k, v in static.items()
-                               if k.startswith("wire_bytes_")},
-        collectives_per_step=static.get("wire_collectives"),
-        meter_bytes_per_step=meter, kernel_bytes_per_step=kernel,
-        # With two hops (--hops) the link carries the slow hop only: the meter's
-        # 'dcn' bytes where the mesh has that axis, or an outer loop's syncs
-        # averaged over H.
-        meter_slow_hop_bytes_per_step=(float(static["wire_bytes_dcn"]) * devices
-                                       if "wire_bytes_dcn" in static else
-                                       float(static["outer_bytes_per_step"]) * devices
-                                       if "outer_bytes_per_step" in static else None),
-        kernel_over_meter=kernel / meter if kernel is not None and meter else None,
-        kernel_bytes_by_step=dict(zip(map(str, window), deltas)),
-        kernel_packets_per_step=per_packet, header_bytes_per_packet=raw["header_bytes"],
-        tcp_payload_per_step=payload,
-        payload_over_meter=payload / meter if payload is not None and meter else None,
-        retransmitted_segments_per_step=sum(retrans) / len(retrans) if retrans else None,
-        kernel_window_steps=window,
-        startup_bytes=marks[steps[0]][0][0] - raw["before"][0] if steps[0] in marks else None,
-        after_last_step_bytes=raw["after"][0] - marks[last][0][0] if last in marks else None,
-        wall_s=raw["wall_s"], first_step_at_s=marks[steps[0]][1] if steps[0] in marks else None,
-        **_outer_figures(by_step, static, window, dict(zip(window, deltas)), devices),
-        **({"auto": _auto_figures(auto)} if auto else {}))
-
-
-def _auto_figures(decision: dict) -> dict:
-    """What compression.auto chose for a row: per entry the codec and the link it
-    priced, and the predicted communication seconds per step against raw."""
-    return dict(codecs={e: v["codec"] for e, v in decision["entries"].items()},
-                links={e: [v["latency_s"], v["bytes_per_s"]]
-                       for e, v in decision["entries"].items()},
-                dcn_data=decision.get("dcn_data", 1), outer=decision.get("outer"),
-                routes={k: v["seconds"] for k, v in decision.get("routes", {}).items()},
-                route_links={k: v["links"] for k, v in decision.get("routes", {}).items()},
-                codec_s_per_byte={c: v["encode_s_per_byte"] + v["decode_s_per_byte"]
-                                  for c, v in decision["profile"]["codecs"].items()},
-                predicted_s=decision["seconds"], predicted_raw_s=decision["raw_seconds"],
-                # compression.trial: each candidate's measured step, the model's
-                # prediction with compute from the uncompressed trial, and the taken
-                # one's trial time (the decision's predicted step).
-                **({"trial": decision["trial"], "trial_step_s": decision["step_s"]}
-                   if decision.get("trial") else {}),
-                table=auto_lib.table(decision))  # as train.py printed it
-
-
-def _outer_figures(by_step, static, window, delta, devices) -> dict:
-    """An outer loop's syncs (none for an every-step run): each sync's own time
-    by step (with outer.delay, each merge's too; a start carried by the next
-    step has none of its own, that step's time holds it, but one on a thread
-    beside the step's is timed there: outer_start_s_by_step), and its
-    bytes on the link (the kernel bytes of the step that sent it less the median
-    step without a sync) against the meter's (outer_bytes_per_sync per device,
-    read from the compiled sync program, times the devices)."""
-    if "outer_bytes_per_step" not in static:
-        return {}
-    alone = [s for s in sorted(by_step) if "outer_sync_s" in by_step[s]]
-    carried = [s for s in sorted(by_step) if "outer_carried" in by_step[s]]
-    synced = sorted(alone + carried)  # the steps whose kernel bytes hold a sync
-    plain = [delta[s] for s in window if s not in synced]
-    rest = statistics.median(plain) if plain else None
-    measured = [s for s in synced if s in delta and rest is not None]
-    kernel = sum(delta[s] - rest for s in measured)
-    # A carried start's meter bytes are on the record of the step it was due after.
-    sender = {s: (s - 1 if s in carried else s) for s in measured}
-    meter = sum(by_step[sender[s]]["outer_bytes_per_sync"] * devices for s in measured)
-    applies = {str(s): r["outer_apply_s"] for s, r in sorted(by_step.items())
-               if "outer_apply_s" in r}
-    threaded = {str(s): by_step[s]["outer_start_s"] for s in carried
-                if "outer_start_s" in by_step[s]}
-    return dict(outer_sync_s_by_step={str(s): by_step[s]["outer_sync_s"] for s in alone},
-                **({"outer_apply_s_by_step": applies} if applies else {}),
-                **({"outer_start_s_by_step": threaded} if threaded else {}),
-                **({"outer_carried_steps": carried} if carried else {}),
-                kernel_bytes_per_step_without_sync=rest,
-                kernel_sync_bytes=kernel if measured else None,
-                meter_sync_bytes=meter if measured else None,
-                kernel_over_meter_sync=kernel / meter if measured and meter else None)
 
 
 # ---------------------------------------------------------------- the sweep
@@ -405,63 +137,6 @@ def plan(args) -> list[dict]:
                       eval_every=args.ttl_eval_every, **({"repeat": i} if i else {}))
                  for i in range(args.ttl_repeats) for p in args.policies]
     return rows
-
-
-def time_to_target(rows: list[dict], rate: str) -> dict | None:
-    """At `rate`: the baseline's final val_loss in its sweep run and, per policy,
-    the training time (sum of step times) to the first validation loss at or
-    below it in that policy's time-to-loss run (the baseline's own sweep run
-    where it has none); with several time-to-loss runs of the newest commit
-    (--ttl-repeats), the median of their times (times_s: each run's). Each is
-    the newest such row, whatever its commit: training is deterministic, so a
-    loss does not depend on when it was run.
-    A compressed policy's row counts only if it was evaluated exactly
-    (`exact_eval`): earlier ones read the loss through a forward whose blocks
-    spanned tokens, which leaked the next token."""
-    ok = sorted((r for r in rows if r["settings"]["rate"] == rate and "error" not in r
-                 and (r.get("exact_eval") or r["settings"]["policy"] == "baseline")),
-                key=lambda r: r["date"], reverse=True)
-    base = next((r for r in ok if r["settings"]["kind"] == "sweep"
-                 and r["settings"]["policy"] == "baseline" and r.get("final_val_loss")), None)
-    if base is None:
-        return None
-    target = base["final_val_loss"]
-    out = {"rate": rate, "target_val_loss": target, "target_commit": base["commit"],
-           "policies": {}}
-    for r in sorted(ok, key=lambda r: r["settings"]["kind"] != "ttl"):  # stable: newest first
-        name = r["settings"]["policy"]
-        if name in out["policies"] or (r["settings"]["kind"] != "ttl" and r is not base):
-            continue
-        runs = [r] if r is base else [
-            x for x in ok if x["settings"]["kind"] == "ttl" and x["commit"] == r["commit"]
-            and {**x["settings"], "repeat": 0} == {**r["settings"], "repeat": 0}]
-        every = int(POLICIES.get(name, {}).get("outer.every", 0))
-        hits = [_hit(x, target, every) for x in runs]
-        times = [t for _, t in hits if t is not None]
-        out["policies"][name] = dict(
-            kind=r["settings"]["kind"], commit=r["commit"],
-            steps_run=r["settings"]["steps"], reached=hits[0][0] is not None, step=hits[0][0],
-            time_s=statistics.median(times) if times else None,
-            **({"times_s": times} if len(runs) > 1 else {}),
-            best_val_loss=min((v for s, v in r["val_losses"].items()
-                               if not (every and int(s) % every)), default=None))
-    return out
-
-
-def _hit(r: dict, target: float, every: int) -> tuple:
-    """(the first step whose val_loss is at or below `target`, the training time
-    to it), or (None, None)."""
-    # Between an outer loop's syncs each island holds its own model: only a
-    # synced one counts (train.eval_every a multiple of outer.every).
-    hit = next((int(s) for s, v in sorted(r["val_losses"].items(), key=lambda kv: int(kv[0]))
-                if v <= target and not (every and int(s) % every)), None)
-    if hit is None:
-        return None, None
-    syncs = {**r.get("outer_sync_s_by_step", {})}
-    for s, t in r.get("outer_apply_s_by_step", {}).items():  # with outer.delay
-        syncs[s] = syncs.get(s, 0.0) + t
-    # An outer loop's time is its inner steps' and its syncs' up to the hit.
-    return hit, sum(r["step_times_s"][:hit]) + sum(t for s, t in syncs.items() if int(s) <= hit)
 
 
 def _load(path):

@@ -9,7 +9,7 @@ import os
 import statistics
 import subprocess
 
-from experiments import linkprofile, network
+from experiments import linkprofile, network_launch
 from tools.netns import BURST, rate_bits
 
 STEP_RATIO_TARGET = 0.35    # hybrid's step time at 100 Mbit/s, vs the baseline's
@@ -444,7 +444,7 @@ def hops_section(net: dict) -> tuple[str, list[str]]:
 
 
 # The outer-loop policies of experiments/network.py.
-OUTER_POLICIES = tuple(n for n, p in network.POLICIES.items() if "outer.every" in p)
+OUTER_POLICIES = tuple(n for n, p in network_launch.POLICIES.items() if "outer.every" in p)
 
 
 def outer_section(net: dict) -> tuple[str, list[str]]:

@@ -13,6 +13,8 @@ import time
 import pytest
 
 from experiments import network as net
+from experiments import network_figures as figs
+from experiments import network_launch as net_launch
 from experiments import report_network as rep
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -93,7 +95,7 @@ def test_time_to_target_is_the_first_evaluation_at_or_below_the_baselines_loss()
             _row("hybrid", "sweep", 4, {4: 2.5}),  # the sweep row is not the time-to-loss run
             _row("hybrid", "ttl", 8, {2: 2.6, 4: 2.2, 6: 1.99, 8: 1.9}),
             _row("naive", "ttl", 8, {2: 2.9, 4: 2.5, 6: 2.3, 8: 2.1})]
-    ttl = net.time_to_target(rows, "100mbit")
+    ttl = figs.time_to_target(rows, "100mbit")
     assert ttl["target_val_loss"] == 2.0
     assert ttl["policies"]["baseline"] == dict(kind="sweep", commit="a", steps_run=4, reached=True,
                                                step=4, time_s=12.0, best_val_loss=2.0)
@@ -103,7 +105,7 @@ def test_time_to_target_is_the_first_evaluation_at_or_below_the_baselines_loss()
     # The baseline's own time-to-loss run, newer and from another commit, replaces its sweep run.
     rows.append(_row("baseline", "ttl", 8, {2: 2.4, 4: 2.1, 6: 1.95, 8: 1.9}, step_s=3.0,
                      date="2026-12-01T11:00", commit="b"))
-    base = net.time_to_target(rows, "100mbit")["policies"]["baseline"]
+    base = figs.time_to_target(rows, "100mbit")["policies"]["baseline"]
     assert (base["kind"], base["commit"], base["step"], base["time_s"]) == ("ttl", "b", 6, 18.0)
     # A compressed policy's loss read through its compressed forward (before exact
     # evaluation) does not count, however fast; the baseline's forward is exact anyway.
@@ -111,7 +113,7 @@ def test_time_to_target_is_the_first_evaluation_at_or_below_the_baselines_loss()
                      date="2026-12-01T12:00"))
     rows = [dict(r, exact_eval=False) if r["settings"]["policy"] == "baseline" else r
             for r in rows]
-    ttl = net.time_to_target(rows, "100mbit")
+    ttl = figs.time_to_target(rows, "100mbit")
     assert ttl["policies"]["naive"]["reached"] is False and "baseline" in ttl["policies"]
 
 
@@ -123,21 +125,21 @@ def test_repeated_time_to_loss_runs_give_the_median_of_the_newest_commits():
                    settings=dict(rate="100mbit", policy="hybrid", kind="ttl", steps=8,
                                  **({"repeat": i} if i else {})))
               for i, t in enumerate((1.0, 3.0, 2.0)))]
-    got = net.time_to_target(rows, "100mbit")["policies"]["hybrid"]
+    got = figs.time_to_target(rows, "100mbit")["policies"]["hybrid"]
     assert got["commit"] == "new" and got["step"] == 4
     assert sorted(got["times_s"]) == [4.0, 8.0, 12.0] and got["time_s"] == 8.0
-    base = net.time_to_target(rows, "100mbit")["policies"]["baseline"]
+    base = figs.time_to_target(rows, "100mbit")["policies"]["baseline"]
     assert "times_s" not in base and base["time_s"] == 4.0
 
 
 def test_an_outer_loop_reaches_the_loss_only_with_a_synced_model_and_pays_for_its_syncs():
-    every = int(net.POLICIES["diloco"]["outer.every"])
+    every = int(net_launch.POLICIES["diloco"]["outer.every"])
     rows = [_row("baseline", "sweep", 4, {4: 2.0}),
             # Step 2's island mean is below the target, but no island holds the
             # synced model there: the first synced loss at or below it counts.
             _row("diloco", "ttl", 2 * every, {2: 1.5, every: 2.5, 2 * every: 1.9})]
     rows[1]["outer_sync_s_by_step"] = {str(every): 0.5, str(2 * every): 0.25}
-    got = net.time_to_target(rows, "100mbit")["policies"]["diloco"]
+    got = figs.time_to_target(rows, "100mbit")["policies"]["diloco"]
     assert got["step"] == 2 * every
     assert got["time_s"] == 2 * every * 1.0 + 0.75  # the inner steps' and both syncs' time
     assert got["best_val_loss"] == 1.9
@@ -148,11 +150,11 @@ def test_a_sync_s_bytes_on_the_link_are_its_steps_excess_over_a_plain_step():
     static = {"outer_bytes_per_step": 100.0}
     by_step[4].update(outer_sync_s=0.1, outer_bytes_per_sync=400.0)
     delta = {2: 10.0, 3: 12.0, 4: 3212.0, 5: 11.0, 6: 10.0}
-    got = net._outer_figures(by_step, static, [2, 3, 4, 5, 6], delta, devices=8)
+    got = figs._outer_figures(by_step, static, [2, 3, 4, 5, 6], delta, devices=8)
     assert got["kernel_bytes_per_step_without_sync"] == 10.5
     assert got["kernel_sync_bytes"] == 3201.5 and got["meter_sync_bytes"] == 3200.0
     assert got["outer_sync_s_by_step"] == {"4": 0.1}
-    assert net._outer_figures(by_step, {}, [2], delta, devices=8) == {}  # every-step run
+    assert figs._outer_figures(by_step, {}, [2], delta, devices=8) == {}  # every-step run
 
 
 def test_a_carried_starts_bytes_are_on_the_step_that_carried_it_and_merges_are_timed():
@@ -165,7 +167,7 @@ def test_a_carried_starts_bytes_are_on_the_step_that_carried_it_and_merges_are_t
     by_step[4].update(outer_carried=1, outer_start_s=0.3)
     by_step[5].update(outer_apply_s=0.2)
     delta = {2: 10.0, 3: 12.0, 4: 3212.0, 5: 11.0, 6: 10.0}
-    got = net._outer_figures(by_step, static, [2, 3, 4, 5, 6], delta, devices=8)
+    got = figs._outer_figures(by_step, static, [2, 3, 4, 5, 6], delta, devices=8)
     assert got["outer_carried_steps"] == [4] and got["outer_sync_s_by_step"] == {}
     assert got["outer_start_s_by_step"] == {"4": 0.3}
     assert got["kernel_sync_bytes"] == 3201.5 and got["meter_sync_bytes"] == 3200.0
@@ -174,7 +176,7 @@ def test_a_carried_starts_bytes_are_on_the_step_that_carried_it_and_merges_are_t
             _row("streaming", "ttl", 20, {10: 2.5, 20: 1.9})]
     rows[1]["outer_sync_s_by_step"] = {"10": 0.5}
     rows[1]["outer_apply_s_by_step"] = {"6": 0.25, "16": 0.125}
-    hit = net.time_to_target(rows, "100mbit")["policies"]["streaming"]
+    hit = figs.time_to_target(rows, "100mbit")["policies"]["streaming"]
     assert hit["step"] == 20 and hit["time_s"] == 20 * 1.0 + 0.5 + 0.375
 
 
@@ -199,8 +201,8 @@ def test_a_row_of_compression_auto_keeps_its_decision_and_its_steps():
     marks = {s: ((1000 * s, 10 * s, 0), 0.1 * s) for s in range(1, 5)}
     raw = dict(records=[{"auto": decision}] + steps, marks=marks, before=(0, 0, 0),
                after=(5000, 50, 0), wall_s=3.0, header_bytes=66)
-    plain = net.summarize(dict(raw, records=steps), warm_steps=1)
-    row = net.summarize(raw, warm_steps=1)
+    plain = figs.summarize(dict(raw, records=steps), warm_steps=1)
+    row = figs.summarize(raw, warm_steps=1)
     assert {k: v for k, v in row.items() if k != "auto"} == plain
     table = row["auto"].pop("table")
     assert row["auto"] == {"codecs": {"data.grad": "int4:rot", "data.param": "int8"},
@@ -211,9 +213,9 @@ def test_a_row_of_compression_auto_keeps_its_decision_and_its_steps():
                            "codec_s_per_byte": {"int8": 1e-9 + 2e-9},
                            "predicted_s": 0.2, "predicted_raw_s": 0.5}
     assert "route taken: per hop, mesh.dcn_data=2" in table and "int4:rot" in table
-    assert net._flags("auto", {}) == ["--config.compression.policy=baseline",
-                                      "--config.compression.auto=on",
-                                      "--config.compression.trial=6"]
+    assert net_launch._flags("auto", {}) == ["--config.compression.policy=baseline",
+                                             "--config.compression.auto=on",
+                                             "--config.compression.trial=6"]
 
 
 @pytest.mark.e2e
@@ -326,14 +328,14 @@ def test_a_signal_inside_popen_still_kills_every_child(tmp_path, monkeypatch, si
             os.kill(os.getpid(), sig)  # its handler runs before this call returns
         return proc
 
-    monkeypatch.setattr(net.subprocess, "Popen", popen_then_signal)
+    monkeypatch.setattr(net_launch.subprocess, "Popen", popen_then_signal)
     old = signal.signal(signal.SIGTERM, net._raise_exit)
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     settings = dict(procs=2, config="configs/tiny.py", steps=400, eval_every=400,
                     warmup_steps=1, policy="baseline", set={})
     try:
         with pytest.raises((KeyboardInterrupt, SystemExit)):
-            net.launch(_SleepNamespace(), settings, str(tmp_path), 60.0, 1)
+            net_launch.launch(_SleepNamespace(), settings, str(tmp_path), 60.0, 1)
         alive = [p.pid for p in started if p.poll() is None]
     finally:
         signal.signal(signal.SIGTERM, old)
