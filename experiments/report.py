@@ -37,8 +37,8 @@ import os
 import subprocess
 import sys
 
-from experiments import probelink, report_network, report_streaming
-from experiments import report_seeds, runlog
+from experiments import probelink, report_auto, report_hops, report_network, report_seeds
+from experiments import report_streaming, runlog
 from jcomp.train.run.metrics import human_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -640,19 +640,19 @@ def build(results, page_dir: str) -> str:
         page += ["## Wall-clock on a throttled link (experiments/network.py)", "", text, ""]
         claims += net_claims
     rigs = (  # (results, their section, its heading) of the two-hop rig
-        (hops, report_network.hops_section, "Two hops: a throttled link between two processes "
+        (hops, report_hops.hops_section, "Two hops: a throttled link between two processes "
          "(experiments/network.py --hops)"),
-        (outer, report_network.outer_section, "An outer loop across a throttled link "
+        (outer, report_hops.outer_section, "An outer loop across a throttled link "
          "(experiments/network.py --hops, outer-loop policies)"),
-        (auto, report_network.auto_section, "compression.auto across a throttled link "
+        (auto, report_auto.auto_section, "compression.auto across a throttled link "
          "(experiments/network.py --hops, policy auto)"),
-        (auto6, report_network.auto_section, "compression.auto with compression.trial=6 across "
+        (auto6, report_auto.auto_section, "compression.auto with compression.trial=6 across "
          "a throttled link (experiments/network.py --hops, policy auto)"),
-        (auto4, report_network.auto_section, "compression.auto with the probe of four sizes "
+        (auto4, report_auto.auto_section, "compression.auto with the probe of four sizes "
          "across a throttled link (experiments/network.py --hops, policy auto)"),
-        (act8, report_network.auto_section, "compression.auto beside the hybrid preset with "
+        (act8, report_auto.auto_section, "compression.auto beside the hybrid preset with "
          "int8 tensor messages, 30-step runs at 100 Mbit/s (experiments/network.py --hops)"),
-        (fewest, report_network.auto_section, "compression.auto whose trial also weighs each "
+        (fewest, report_auto.auto_section, "compression.auto whose trial also weighs each "
          "route's fewest bytes, 30-step runs (experiments/network.py --hops, policy auto)"),
         (streaming, report_streaming.streaming_section, "Streaming against blocking syncs across "
          "a throttled link (experiments/network.py --hops, policies diloco_f2 and streaming)"),

@@ -15,6 +15,8 @@ import pytest
 from experiments import network as net
 from experiments import network_figures as figs
 from experiments import network_launch as net_launch
+from experiments import report_auto as rep_auto
+from experiments import report_hops as rep_hops
 from experiments import report_network as rep
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -439,7 +441,7 @@ def test_the_auto_section_checks_auto_against_the_fastest_and_its_prediction():
                  row("unthrottled", "auto", 0.29, i, decision(0.01, 0.05, "none", 1e8)),
                  row("10mbit", "baseline", 4.0, i), row("10mbit", "hybrid_perhop", 0.80, i),
                  row("10mbit", "auto", 0.90, i, decision(0.60, 4.0, "int4:rot", 3.0e5))]
-    text, claims = rep.auto_section({"rows": rows, "warm_steps": 2})
+    text, claims = rep_auto.auto_section({"rows": rows, "warm_steps": 2})
     # compute = 0.30 (unthrottled baseline) - 0.05 (its predicted raw communication)
     assert "0.250 s" in text
     fast, slow = claims
@@ -459,7 +461,7 @@ def test_the_auto_section_checks_auto_against_the_fastest_and_its_prediction():
         r["settings"]["procs"] = 1
         r["commit"] = "fed4321abc"
         alone.append(r)
-    text, claims = rep.auto_section({"rows": rows + alone, "warm_steps": 2})
+    text, claims = rep_auto.auto_section({"rows": rows + alone, "warm_steps": 2})
     assert "the baseline in one process, median of 3 runs at fed4321: 0.270 s" in text
     assert "predicted 0.280 s, 0.97x measured: PASS" in claims[0]
     assert "commit abc1234" in text.lower()
@@ -470,7 +472,7 @@ def test_the_auto_section_checks_auto_against_the_fastest_and_its_prediction():
             r["auto"].update(trial_step_s=0.88, trial={"taken": "per hop (mesh.dcn_data=2)",
                                                        "predicted_s": {
                                                            "per hop (mesh.dcn_data=2)": 0.45}})
-    text, claims = rep.auto_section({"rows": rows + alone, "warm_steps": 2})
+    text, claims = rep_auto.auto_section({"rows": rows + alone, "warm_steps": 2})
     assert "predicted 0.880 s, 0.98x measured: PASS" in claims[1]
     line = next(l for l in text.splitlines() if l.startswith("| 10mbit"))
     assert "| 0.880 | 0.98 | 0.50 |" in line  # predicted, its ratio, the model's ratio
@@ -492,7 +494,7 @@ def test_the_auto_section_shows_other_policies_and_a_trials_fewest_bytes_choice(
     for i in range(3):  # no baseline: hybrid_act8, not a rival, is shown beside them
         rows += [row("hybrid", 0.42, i), row("hybrid_perhop", 0.40, i),
                  row("hybrid_act8", 0.37, i), row("auto", 0.39, i, decision)]
-    text, [claim] = rep.auto_section({"rows": rows, "warm_steps": 2})
+    text, [claim] = rep_auto.auto_section({"rows": rows, "warm_steps": 2})
     assert "| hybrid_act8 s |" in text
     line = next(l for l in text.splitlines() if l.startswith("| 100mbit"))
     assert "| n/a | 0.420 | 0.400 | 0.370 | 0.390 |" in line, line
@@ -516,7 +518,7 @@ def test_the_hops_section_compares_per_hop_with_flat_hybrid_side_by_side():
     rows += [row("hybrid", s, 2e6, repeat=i) for i, s in enumerate((1.0, 1.2, 5.0))]
     rows += [row("perhop", s, 1e6, slow=0.9e6, repeat=i) for i, s in enumerate((0.6, 0.5, 0.7))]
     rows += [row("hybrid_perhop", s, 1.5e6, slow=1.2e6, repeat=i) for i, s in enumerate((1.8, 1.5))]
-    text, claims = rep.hops_section({"rows": rows, "warm_steps": 2})
+    text, claims = rep_hops.hops_section({"rows": rows, "warm_steps": 2})
     table = {l.split("|")[2].strip(): l.split("|")[1:-1] for l in text.splitlines()
              if l.startswith("| 100mbit")}
     # Medians over the three runs: a slow outlier (hybrid's 5.0 s) does not move them.
@@ -544,8 +546,9 @@ def test_a_row_faster_than_its_links_rate_is_named_with_the_time_its_bytes_need(
 
     # 10 MB a step is 5 MB each way: 4 s at 10 Mbit/s, under the baseline's 4.2 s;
     # per hop's 0.67 MB each way need 0.532 s, more than its 0.356 s step.
-    text, _ = rep.hops_section({"rows": [row("baseline", 4.2, 10e6),
-                                         row("hybrid_perhop", 0.356, 1.33e6)], "warm_steps": 2})
+    text, _ = rep_hops.hops_section({"rows": [row("baseline", 4.2, 10e6),
+                                              row("hybrid_perhop", 0.356, 1.33e6)],
+                                     "warm_steps": 2})
     note = next(l for l in text.splitlines() if l.startswith("Faster than their link"))
     assert "10mbit hybrid_perhop (0.356 s; its 0.67 MB each way need 0.532 s at the rate)" in note
     assert "baseline" not in note
@@ -574,7 +577,7 @@ def test_the_outer_section_gives_each_syncs_bytes_and_the_time_to_the_baselines_
            "ttl_by_rate": {"10mbit": {"rate": "10mbit", "target_val_loss": 3.1, "policies": {
                "baseline": ttl(10, 40.0), "hybrid_perhop": ttl(10, 8.0),
                "diloco": ttl(20, 4.0), "sparseloco": ttl(None, None)}}}}
-    text, claims = rep.outer_section(net)
+    text, claims = rep_hops.outer_section(net)
     # The median over both runs of each run's own figures.
     sync_row = next(l for l in text.splitlines() if l.startswith("| 10mbit | diloco | 2 |"))
     assert sync_row.split("|")[4:8] == [" 13,000 ", " 860.0 ", " 800.0 ", " 1.075 "]
