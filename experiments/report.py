@@ -17,10 +17,17 @@ network_auto_trial6.json, network_auto_sizes4.json, network_auto_act8.json and
 network_auto_fewest.json (--hops with compression.auto), network_streaming.json and network_streaming_1dev.json
 (--hops, Streaming DiLoCo against blocking syncs), overlap.json
 (experiments/overlap.py) and probelink.json (experiments/probelink.py), in
-experiments/results/; see report_network.py, report_streaming.py and
-probelink.py for those and gpu.json.
+experiments/results/.
 Every number and every PASS/FAIL in the page is computed from those files;
 only the explanatory prose is fixed text.
+
+This module reads the files and puts the page together; each section is
+written by a module of its own: report_convergence.py (one-seed convergence
+sets, the learning-rate sweep), report_seeds.py (sets over several seeds),
+report_projection.py, report_benchmarks.py (collectives, the parallel step,
+GPU), report_network.py (the throttled link), report_hops.py (two hops, the
+outer loop), report_auto.py (compression.auto), report_streaming.py
+(Streaming DiLoCo, overlap.json) and probelink.py (probelink.json).
 
 --summarize STUDY ... writes each study's runs.jsonl from its run folders
 (experiments/runlog.py) and nothing else: the file that stands in for the run
@@ -32,22 +39,23 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import subprocess
 import sys
 
 from experiments import probelink, report_auto, report_hops, report_network, report_seeds
 from experiments import report_streaming, runlog
-from jcomp.train.run.metrics import human_bytes
+from experiments.report_benchmarks import (collectives_section, gpu_section, parallel_section,
+                                           sizes_section)
+from experiments.report_convergence import (compressed_what, convergence_claims,
+                                            convergence_section, hybrid_preset_setting,
+                                            lr_section)
+from experiments.report_format import table
+from experiments.report_projection import projection_claims, projection_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = (os.path.join(ROOT, "benchmarks", "results"),  # --results' default, in this order
            os.path.join(ROOT, "experiments", "results"))
-
-AXES = ("data", "tensor", "pipeline")
-GAP_TARGET_PCT = 1.0     # hybrid "reaches baseline loss": within 1% of its val_loss
-BYTES_TARGET = 0.25      # and sends at most a quarter of its bytes
 
 WHY = """\
 Why numbers here differ from the papers'. The papers train GPT-NeoX-20B on up to
@@ -81,33 +89,9 @@ CPU devices of one host for a few hundred steps. Consequences:
 """
 
 
-# ---------------------------------------------------------------- formatting
-
-def fmt(x, spec=".4f", none="n/a") -> str:
-    if x is None:
-        return none
-    if isinstance(x, str):
-        return x
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return format(x, spec)
-
-
-def table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _load(path):
     with open(path) as f:
         return json.load(f)
-
-
-def _num(x):
-    """JSON numbers stay; the strings "NaN"/"Infinity" (strict JSON) become floats."""
-    return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}.get(x, x) \
-        if isinstance(x, str) else x
 
 
 def git_commit() -> str:
@@ -116,403 +100,6 @@ def git_commit() -> str:
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-# ---------------------------------------------------------------- convergence
-
-def compressed_what(run: dict) -> str:
-    parts = [f"policy {run['policy']}"] if run["policy"] != "baseline" or not run["overrides"] \
-        else []
-    parts += [f"{k}={v}" for k, v in run["overrides"].items()]
-    if run["error_feedback"] != "auto":
-        parts.append(f"EF {run['error_feedback']}")
-    parts += [flag.replace("--config.", "") for flag in run.get("extra", ())]
-    return ", ".join(parts)
-
-
-# The meter charges a collective-permute to its senders only from this commit on;
-# bytes recorded by runs trained before it count every device as a sender.
-METER_SENDERS_COMMIT = "86f605c"
-
-
-def _before_sender_meter(commit: str | None) -> bool:
-    if not commit:
-        return True
-    return not report_network.is_ancestor(METER_SENDERS_COMMIT, commit)
-
-
-def meter_note(runs) -> str | None:
-    old = [r["name"] for r in runs if _before_sender_meter(r.get("git_commit"))]
-    if not old:
-        return None
-    return (f"Wire bytes are as metered when each run trained. {len(old)} of these runs "
-            f"({', '.join(old[:4])}{', ...' if len(old) > 4 else ''}) trained before commit "
-            f"{METER_SENDERS_COMMIT}, whose meter charged each stage-to-stage send to every "
-            "device of the mesh; it is now charged to the device that sends it, which on a "
-            "2-stage mesh halves the permute part of the pipeline column (the baseline of "
-            "configs/base.py: 2.00 MiB -> 1.50 MiB of pipeline bytes per step). A codec's "
-            "pipeline byte ratio to the baseline is unchanged when act and act_grad share it.")
-
-
-def convergence_section(summary: dict, rel_dir: str) -> str:
-    runs = summary["runs"]
-    m = summary["model"]
-    out = [f"### {rel_dir}: {summary['steps']} steps of {summary['config']}",
-           f"Model d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, "
-           f"d_ff {m['d_ff']}, vocab {m['vocab_size']}; batch {summary['batch_size']} x "
-           f"{summary['seq_len']} tokens; mesh {summary['mesh']}; val_loss every "
-           f"{summary['eval_every']} steps; warm-up {summary['warmup_steps']} steps; "
-           f"summary written at commit {summary['git_commit']}. The commit column names the "
-           f"commit that trained each run where it was recorded.", ""]
-    header = ["run", "compressed", "final val_loss", "best val_loss", "gap %",
-              *[f"{a} B/step" for a in AXES], "total B/step", "bytes vs baseline", "commit"]
-    rows = [[r["name"], compressed_what(r), fmt(_num(r["final_val_loss"])),
-             fmt(_num(r["best_val_loss"])), fmt(_num(r.get("gap_pct")), "+.2f"),
-             *[human_bytes(r["wire_bytes"][a]) for a in AXES], human_bytes(r["wire_bytes_total"]),
-             fmt(r.get("byte_ratio"), ".3f"), (r.get("git_commit") or "-")[:7]] for r in runs]
-    out.append(table(header, rows))
-    note = meter_note(runs)
-    if note:
-        out += ["", note]
-    for group, png in summary.get("plots", {}).items():
-        out.append(f"\n![{group} loss curves]({rel_dir}/{png}) `{rel_dir}/{png}`")
-    return "\n".join(out)
-
-
-def hybrid_preset_setting(settings: list[dict]) -> str | None:
-    """The name of the setting whose policy is jcomp.gpt.policy's hybrid preset, or None."""
-    from jcomp.gpt import policy
-
-    target = policy.preset("hybrid")
-    for st in settings:
-        if any(k.count(".") != 1 for k in st["overrides"]) or st.get("extra"):
-            continue  # layer or stage selections, other optimizers: not a preset
-        ef = {"on": True, "off": False}.get(st["error_feedback"])
-        if policy.build(st["policy"], st["overrides"], ef) == target:
-            return st["name"]
-    return None
-
-
-def _by_name(summary):
-    return {r["name"]: r for r in summary["runs"]}
-
-
-def closest_bytes_pair(runs: list[dict], anchor: str):
-    """The run (other than `anchor` and baseline) whose total bytes are closest to
-    the anchor's, or None."""
-    by = {r["name"]: r for r in runs}
-    if anchor not in by:
-        return None
-    others = [r for r in runs if r["name"] not in (anchor, "baseline")]
-    if not others:
-        return None
-    a = by[anchor]["wire_bytes_total"]
-    return min(others, key=lambda r: abs(math.log(r["wire_bytes_total"] / a)))
-
-
-def convergence_claims(summary: dict) -> list[str]:
-    """Statements computed from one summary's numbers."""
-    by = _by_name(summary)
-    out = []
-    h, n = by.get("hybrid"), by.get("naive")
-    if h and h.get("gap_pct") is not None:
-        gap, ratio = _num(h["gap_pct"]), h["byte_ratio"]
-        ok_gap = gap <= GAP_TARGET_PCT
-        ok_bytes = ratio <= BYTES_TARGET
-        out.append(f"Hybrid reached a final val_loss {gap:+.2f}% from the baseline's with "
-                   f"{ratio:.3f} of its bytes per step: {'PASS' if ok_gap else 'FAIL'} against "
-                   f"the {GAP_TARGET_PCT:g}% loss target, {'PASS' if ok_bytes else 'FAIL'} "
-                   f"against the 1/4 bytes target.")
-    if h and n and h.get("gap_pct") is not None and n.get("gap_pct") is not None:
-        hg, ng = _num(h["gap_pct"]), _num(n["gap_pct"])
-        verdict = "matches" if ng > hg else "does not match"
-        out.append(f"Naive (int4 everywhere) ended {ng:+.2f}% from baseline, hybrid {hg:+.2f}%, "
-                   f"with {n['byte_ratio']:.3f} vs {h['byte_ratio']:.3f} of the baseline's bytes. "
-                   f"The paper's finding that naive degrades the loss more than hybrid "
-                   f"{verdict} here.")
-    seen = set()
-    for anchor in ("naive", "hybrid"):
-        other = closest_bytes_pair(summary["runs"], anchor)
-        if other and frozenset((anchor, other["name"])) in seen:
-            continue
-        if other:
-            seen.add(frozenset((anchor, other["name"])))
-        if other and by[anchor].get("gap_pct") is not None and other.get("gap_pct") is not None:
-            a, o = by[anchor], other
-            better = a["name"] if _num(a["gap_pct"]) < _num(o["gap_pct"]) else o["name"]
-            out.append(f"At a matched byte budget: {a['name']} ({a['byte_ratio']:.3f} of baseline "
-                       f"bytes, gap {_num(a['gap_pct']):+.2f}%) vs the closest-bytes run "
-                       f"{o['name']} ({o['byte_ratio']:.3f}, gap {_num(o['gap_pct']):+.2f}%): "
-                       f"{better} has the lower loss.")
-    out += best_claims(summary["runs"]) + data_codec_claims(by) + ae_claims(by)
-    out += ef_claims(by) + act_claims(by) + ablation_claims(by) + places_claims(by)
-    out += noise_claims(by)
-    return out
-
-
-def _meets(r) -> bool:
-    return (r.get("gap_pct") is not None and _num(r["gap_pct"]) <= GAP_TARGET_PCT
-            and r["byte_ratio"] <= BYTES_TARGET)
-
-
-def best_claims(runs: list[dict]) -> list[str]:
-    """The fewest-bytes run that meets both targets (loss within 1%, bytes <= 1/4)."""
-    if not any(r["name"] == "baseline" for r in runs):
-        return []
-    ok = sorted((r for r in runs if r["name"] != "baseline" and _meets(r)),
-                key=lambda r: r["byte_ratio"])
-    if not ok:
-        return [f"No run here meets both targets (val_loss within {GAP_TARGET_PCT:g}% of the "
-                "baseline's and at most 1/4 of its bytes)."]
-    b = ok[0]
-    others = ", ".join(f"{r['name']} ({r['byte_ratio']:.3f}, {_num(r['gap_pct']):+.2f}%)"
-                       for r in ok[1:])
-    return [f"Best per-axis setting meeting both targets: {b['name']} = {compressed_what(b)}, "
-            f"{b['byte_ratio']:.3f} of the baseline's bytes at a gap of "
-            f"{_num(b['gap_pct']):+.2f}%." + (f" Also meeting both: {others}." if others else "")]
-
-
-def data_codec_claims(by: dict) -> list[str]:
-    """Among data-gradient codecs alone, the fewest data-axis bytes within the loss target."""
-    runs = [r for n, r in by.items() if n.startswith("grad_") and r.get("gap_pct") is not None]
-    if not runs:
-        return []
-    ok = sorted((r for r in runs if _num(r["gap_pct"]) <= GAP_TARGET_PCT),
-                key=lambda r: r["wire_bytes"]["data"])
-    psgd = [r for r in runs if "powersgd" in r["name"]]
-    line = ("Data-gradient codecs alone: " + (
-        f"the fewest data-axis bytes within {GAP_TARGET_PCT:g}% of the baseline's loss is "
-        f"{ok[0]['name']} ({ok[0]['byte_ratio_by_axis']['data']:.3f} of baseline's data bytes, "
-        f"gap {_num(ok[0]['gap_pct']):+.2f}%)." if ok else
-        f"none stays within {GAP_TARGET_PCT:g}% of the baseline's loss."))
-    for r in psgd:
-        line += (f" {r['name']}: {r['byte_ratio_by_axis']['data']:.3f} of the data bytes, gap "
-                 f"{_num(r['gap_pct']):+.2f}%.")
-    return [line]
-
-
-def ae_claims(by: dict) -> list[str]:
-    runs = [r for n, r in by.items() if n.startswith("act_ae") and r.get("gap_pct") is not None]
-    return [f"Learned autoencoder on tensor activations ({r['name']}, "
-            f"{compressed_what(r)}): {r['byte_ratio_by_axis']['tensor']:.3f} of the baseline's "
-            f"tensor bytes, gap {_num(r['gap_pct']):+.2f}%"
-            + (f"; int8 on tensor and pipeline (act_int8) had gap "
-               f"{_num(by['act_int8']['gap_pct']):+.2f}% at "
-               f"{by['act_int8']['byte_ratio_by_axis']['tensor']:.3f} of the tensor bytes."
-               if "act_int8" in by and by["act_int8"].get("gap_pct") is not None else ".")
-            for r in runs]
-
-
-def noise_claims(by: dict) -> list[str]:
-    """Compressed runs that beat the baseline show how large pure noise is here."""
-    gaps = [(_num(r["gap_pct"]), n) for n, r in by.items()
-            if n != "baseline" and r.get("gap_pct") is not None]
-    if not gaps or min(gaps)[0] >= 0:
-        return []
-    g, name = min(gaps)
-    return [f"{name} ended {g:+.2f}% from the baseline, below it: with one seed per setting, "
-            f"gaps within about {abs(g):.1f}% of zero are not told apart from noise at this length."]
-
-
-def ef_claims(by: dict) -> list[str]:
-    pairs = [(k[:-len("_efon")], by[k], by.get(k[:-len("_efon")] + "_efoff"))
-             for k in by if k.startswith("grad_") and k.endswith("_efon")]
-    pairs = [(n, on, off) for n, on, off in pairs if off and on.get("gap_pct") is not None
-             and off.get("gap_pct") is not None]
-    if not pairs:
-        return []
-    helped = [n for n, on, off in pairs if _num(on["gap_pct"]) < _num(off["gap_pct"])]
-    detail = "; ".join(f"{n[5:]}: {_num(on['gap_pct']):+.2f}% with, {_num(off['gap_pct']):+.2f}% "
-                       f"without" for n, on, off in pairs)
-    return [f"Error feedback on data.grad lowered the final loss gap at {len(helped)} of "
-            f"{len(pairs)} strengths ({detail})."]
-
-
-def act_claims(by: dict) -> list[str]:
-    order = [n for n in ("act_int8", "act_int4", "act_int2") if n in by
-             and by[n].get("gap_pct") is not None]
-    if len(order) < 2:
-        return []
-    gaps = [_num(by[n]["gap_pct"]) for n in order]
-    mono = all(a <= b for a, b in zip(gaps, gaps[1:]))
-    detail = ", ".join(f"{n[4:]} {g:+.2f}%" for n, g in zip(order, gaps))
-    return [f"Tensor/pipeline activation compression without error feedback: {detail}; the gap "
-            f"{'grows' if mono else 'does not grow monotonically'} as bits fall, "
-            f"{'as' if mono else 'unlike what'} the activation-compression study leads one to expect."]
-
-
-def ablation_claims(by: dict) -> list[str]:
-    rows = [by[f"only_{a}"] for a in AXES if f"only_{a}" in by
-            and by[f"only_{a}"].get("gap_pct") is not None]
-    if not rows:
-        return []
-    base = by["baseline"]["wire_bytes_total"]
-    saved = {r["name"][5:]: (base - r["wire_bytes_total"]) / base for r in rows}
-    top = max(saved, key=saved.get)
-    detail = "; ".join(f"{r['name'][5:]}: gap {_num(r['gap_pct']):+.2f}%, saves "
-                       f"{saved[r['name'][5:]]:.1%} of the bytes" for r in rows)
-    return [f"One axis compressed at a time: {detail}. Compressing {top} alone saves the most."]
-
-
-def places_claims(by: dict) -> list[str]:
-    """One axis's codec everywhere against the same codec in part of its layers or stages."""
-    out = []
-    for axis in ("tensor", "pipeline"):
-        whole = next((r for n, r in by.items() if n.startswith(f"{axis}_")
-                      and "_layers_" not in n and "_stages_" not in n
-                      and r.get("gap_pct") is not None), None)
-        parts = [r for n, r in by.items() if n.startswith(f"{axis}_")
-                 and ("_layers_" in n or "_stages_" in n) and r.get("gap_pct") is not None]
-        if not whole or not parts:
-            continue
-        line = lambda r: (f"{r['name']} gap {_num(r['gap_pct']):+.2f}% at "
-                          f"{r['byte_ratio_by_axis'][axis]:.3f} of the {axis} bytes")
-        best = min(parts, key=lambda r: _num(r["gap_pct"]))
-        out.append(f"Where to compress {axis}: {line(whole)}; " + "; ".join(map(line, parts))
-                   + f". Of the halves, {best['name']} costs the least loss.")
-    return out
-
-
-# ---------------------------------------------------------------- projection
-
-def projection_section(proj: dict) -> str:
-    out = [f"Computed by `{proj['command']}`; byte ratios per axis measured on the compiled "
-           f"step of the runs in `{proj['measured_from']}`. GPT-NeoX-20B shapes "
-           f"(configs/neox20b.py), mesh {proj['shape']['mesh']}, batch {proj['shape']['batch']}, "
-           f"{proj['shape']['microbatches']} microbatches.", ""]
-    for name, res in proj["clusters"].items():
-        c = res["cluster"]
-        out.append(f"#### {name}: {res['gpus']} GPUs, {c['gpus_per_node']} per node, placement "
-                   f"{res['placement']}")
-        header = ["policy", "step s", "compute s", *[f"{a} comm s" for a in AXES], "codec s",
-                  "TFLOPS/GPU", "samples/s", "gain %", "paper TFLOPS / samples gain %"]
-        rows = []
-        for pol, r in res["policies"].items():
-            paper = r.get("paper")
-            rows.append([pol, fmt(r["total_s"], ".3f"), fmt(r["compute_s"], ".3f"),
-                         *[fmt(r["comm_s"][a], ".3f") for a in AXES], fmt(r["codec_s"], ".3f"),
-                         fmt(r["tflops_per_gpu"], ".1f"), fmt(r["samples_per_s"], ".2f"),
-                         fmt(r["gain_pct"], "+.1f"),
-                         f"+{paper['tflops_gain_pct']} / +{paper['samples_gain_pct']}"
-                         if paper else "-"])
-        out += [table(header, rows), ""]
-    return "\n".join(out)
-
-
-def projection_claims(proj: dict) -> list[str]:
-    out = []
-    for name, res in proj["clusters"].items():
-        p = res["policies"]
-        if not {"naive", "hybrid"} <= set(p):
-            continue
-        ng, hg = p["naive"]["gain_pct"], p["hybrid"]["gain_pct"]
-        pn, ph = proj["paper"]["naive"], proj["paper"]["hybrid"]
-        order = "matches" if (ng > hg) == (pn["tflops_gain_pct"] > ph["tflops_gain_pct"]) \
-            else "does not match"
-        out.append(f"Projected on {name}: naive {ng:+.1f}%, hybrid {hg:+.1f}% throughput over "
-                   f"baseline; the paper measured naive +{pn['tflops_gain_pct']}% TFLOPS / "
-                   f"+{pn['samples_gain_pct']}% samples/s and hybrid +{ph['tflops_gain_pct']}% / "
-                   f"+{ph['samples_gain_pct']}% on Lassen. The order naive > hybrid {order}; "
-                   f"naive is {ng - pn['tflops_gain_pct']:+.1f} points and hybrid "
-                   f"{hg - ph['tflops_gain_pct']:+.1f} points off the paper's TFLOPS gains.")
-        b = p["baseline"]
-        share = sum(b["comm_s"].values()) / b["total_s"]
-        need = 1 - 1 / (1 + pn["tflops_gain_pct"] / 100)
-        hidden = {pol: max(r["compute_s"], sum(r["comm_s"].values())) + r["codec_s"]
-                  for pol, r in p.items() if "compute_s" in r and "codec_s" in r}
-        if len(hidden) == len(p):
-            out.append(f"On {name}, with communication fully hidden behind compute (as on the "
-                       f"throttled link of experiments/network.py wherever it is the shorter of the "
-                       f"two) instead of added to it: naive "
-                       f"{100 * (hidden['baseline'] / hidden['naive'] - 1):+.1f}%, hybrid "
-                       f"{100 * (hidden['baseline'] / hidden['hybrid'] - 1):+.1f}%: only the "
-                       f"codec's time would remain of what compression changes. That is the "
-                       f"other bound: on GPUs Megatron's tensor-parallel all-reduces sit on the "
-                       f"critical path, and only the data-parallel traffic overlaps the "
-                       f"backward pass.")
-        out.append(f"On {name} the projected baseline spends {share:.1%} of its step "
-                   f"communicating, which bounds any gain from compression at "
-                   f"{100 * (1 / (1 - share) - 1):+.1f}%; the paper's naive gain needs at least "
-                   f"{need:.1%} of the baseline step to be communication that compression "
-                   f"removes.")
-    return out
-
-
-# ---------------------------------------------------------------- micro benchmarks
-
-def collectives_section(col: dict) -> str:
-    size = max(r["elements"] for r in col["rows"])
-    rows = [[r["op"], r["axis"], r["codec"], human_bytes(r["bytes_per_device"]),
-             fmt(r["byte_ratio"], ".3f"), fmt(r["rel_err"], ".2e"), fmt(r["time_ratio"], ".2f")]
-            for r in col["rows"] if r["elements"] == size]
-    head = (f"{col['device_count']} {col['backend']} devices, mesh {col['mesh']}, "
-            f"{size} float32 elements per device, median of {col['repeats']} calls; date "
-            f"{col['date']}.")
-    out = head + "\n\n" + table(["op", "axis", "codec", "bytes/device", "bytes vs lax",
-                                 "rel. error", "time vs lax"], rows)
-    structured = [r for r in col.get("structured_rows", [])
-                  if r["matrix"][0] * r["matrix"][1] == size]
-    if structured:
-        out += ("\n\nStructured codecs beside the jax.lax op they replace, on [m, n] matrices: "
-                "PowerSGD (one call from a random Q, no warm start) on a rank-4 matrix shared by "
-                "the devices plus 10% noise of each device's own; the autoencoder untrained (a "
-                "random orthonormal projection to n/4, so its error is not a trained one's).\n\n"
-                + table(["codec", "axis", "vs", "matrix", "bytes/device", "bytes vs lax",
-                         "rel. error", "time vs lax"],
-                        [[r["codec"], r["axis"], r["reference"],
-                          f"{r['matrix'][0]}x{r['matrix'][1]}", human_bytes(r["bytes_per_device"]),
-                          fmt(r["byte_ratio"], ".3f"), fmt(r["rel_err"], ".2e"),
-                          fmt(r["time_ratio"], ".2f")] for r in structured]))
-    return out
-
-
-def sizes_section(sz: dict) -> str:
-    """Bytes vs jax.lax per op, codec and axis size, one column per size."""
-    sizes = sorted({r["elements"] for r in sz["rows"]})
-    keys = list(dict.fromkeys((r["op"], r["codec"], r["n"]) for r in sz["rows"]))
-    by = {(r["op"], r["codec"], r["n"], r["elements"]): r for r in sz["rows"]}
-    cell = lambda r: "-" if r is None or r["ratio"] is None else (
-        "raw" if r["raw"] else fmt(r["ratio"], ".3f"))
-    rows = [[op, codec, n] + [cell(by.get((op, codec, n, e))) for e in sizes]
-            for op, codec, n in keys]
-    head = (f"{sz['backend']} backend, jax {sz['jax_version']}, commit {sz['commit']}, date "
-            f"{sz['date']}. Bytes one device sends per call relative to the jax.lax op, read "
-            "from each compiled program; raw = sent uncompressed (exactly lax's bytes). "
-            + ("Checks: pass." if not sz["violations"] else
-               "Checks failed: " + "; ".join(sz["violations"])))
-    return head + "\n\n" + table(["op", "codec", "n"] + [str(e) for e in sizes], rows)
-
-
-def lr_section(sweep: list) -> tuple[str, list[str]]:
-    """The baseline's learning-rate sweep (convergence_lr/lr*/summary.json, each the
-    baseline at one rate): a table and the rate every setting then runs at."""
-    rows = sorted((s["lr"], r["seed"], r["final_val_loss"], (r.get("git_commit") or "-")[:7],
-                   s["steps"]) for s in sweep for r in s["runs"] if r["name"] == "baseline")
-    best = min(rows, key=lambda r: r[2])
-    text = "\n".join([
-        "The uncompressed baseline at each learning rate (`python -m experiments.convergence "
-        "--suite seeds --only baseline --steps 600 --seeds 0 --lr LR --out "
-        "experiments/results/convergence_lr/lrLR`); the seeds suite runs every setting at the "
-        "rate with the lowest final val_loss.", "",
-        table(["optim.lr", "seed", "steps", "final val_loss", "commit"],
-              [[f"{lr:g}", seed, steps, f"{v:.4f}", c] for lr, seed, v, c, steps in rows])])
-    edge = best[0] in (rows[0][0], rows[-1][0])
-    claim = (f"Learning-rate sweep of the baseline ({', '.join(f'{r[0]:g}' for r in rows)}; "
-             f"seed {rows[0][1]}, {rows[0][4]} steps): the lowest final val_loss is at "
-             f"{best[0]:g} ({best[2]:.4f})" + (", the edge of the swept range: a higher rate "
-                                             "may do better" if edge else "") + ".")
-    return text, [claim]
-
-
-def parallel_section(par: dict) -> str:
-    rows = [[",".join(map(str, r["shape"])), r["policy"], r["microbatches"], fmt(r["time_s"], ".3f"),
-             fmt(r.get("time_ratio"), ".2f"), human_bytes(r["wire_bytes_total"]),
-             fmt(r.get("wire_ratio"), ".3f"), fmt(r["predicted_bubble"], ".2f"),
-             fmt(r.get("measured_bubble"), ".2f")] for r in par["rows"]]
-    head = f"{par['device_count']} {par['backend']} devices; model {par['model']}; date {par['date']}."
-    return head + "\n\n" + table(["mesh d,t,p", "policy", "M", "step s", "time vs baseline",
-                                  "bytes/step", "bytes vs baseline", "bubble pred.",
-                                  "bubble meas."], rows)
 
 
 # ---------------------------------------------------------------- page
@@ -670,7 +257,7 @@ def build(results, page_dir: str) -> str:
     if overlap:
         page += ["## Does an exchange hide behind compute? (experiments/overlap.py)", "",
                  report_streaming.overlap_section(overlap), ""]
-    page += ["## GPU (benchmarks/gpu.py)", "", report_network.gpu_section(gpu), ""]
+    page += ["## GPU (benchmarks/gpu.py)", "", gpu_section(gpu), ""]
     page += ["## What matches the papers, what doesn't, and why", ""]
     page += [f"- {c}" for c in claims] or ["- No convergence or projection results yet."]
     page += ["", WHY]

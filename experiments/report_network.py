@@ -1,9 +1,9 @@
 """RESULTS.md's section on the throttled link (network.json with projection.json's
-link profile) and on GPUs (gpu.json), the commands that made each sweep, what
-the rows named hybrid ran at each commit, and the helpers the two-hop rig's
-sections share (a commit's rows, tables); report.py calls these. The two-hop
-rig's sections are report_hops.py's (hops, outer loop), report_auto.py's
-(compression.auto) and report_streaming.py's (Streaming DiLoCo)."""
+link profile), the commands that made each sweep, what the rows named hybrid
+ran at each commit, and the helpers the two-hop rig's sections share (a
+commit's rows, tables); report.py calls these. The two-hop rig's sections are
+report_hops.py's (hops, outer loop), report_auto.py's (compression.auto) and
+report_streaming.py's (Streaming DiLoCo)."""
 from __future__ import annotations
 
 import functools
@@ -317,27 +317,3 @@ def _where_off(checked, prof) -> list[str]:
             "partial. The additive model is off most where compute and transfer are both "
             "large: it adds what these 8 device threads on 2 cores do at the same time (gloo "
             "moves one device's bytes while XLA computes another's)."]
-
-
-def gpu_section(gpu: dict | None) -> str:
-    if not gpu or gpu.get("backend") != "gpu":
-        return ("No GPU was available when these results were made, so there are no GPU "
-                "figures. `benchmarks/gpu.py` is ready for one: `pip install -e '.[cuda12]' && "
-                "python -m benchmarks.gpu` measures codec encode/decode GB/s at 1-256 MiB, each "
-                "cc.* op against its jax.lax twin, and train.py's step time per policy "
-                "(`--tiny` is its CPU form, run by tests/benchmarks/test_gpu.py).")
-    head = (f"`{gpu['command']}` on {gpu['device_count']} x {gpu['device_kind']}, JAX "
-            f"{gpu['jax_version']}, {gpu['date']}; medians of {gpu['repeats']} calls.")
-    codecs = _table(["codec", "MiB", "encode GB/s", "decode GB/s", "rel. error"],
-                    [[r["codec"], f"{r['mib']:g}", _f(r["encode_gb_s"], ".1f"),
-                      _f(r["decode_gb_s"], ".1f"), _f(r["rel_err"], ".2e")] for r in gpu["codecs"]])
-    col = gpu["collectives"]
-    ops = _table(["op", "axis size", "codec", "ms", "time vs lax", "bytes vs lax"],
-                 [[r["op"], r["axis_size"], r["codec"], _f(r["time_s"] * 1e3, ".3f"),
-                   _f(r["time_ratio"], ".2f"), _f(r["byte_ratio"], ".3f")] for r in col["rows"]])
-    train = _table(["policy", "devices", "median step ms", "tokens/s"],
-                   [[r["policy"], r.get("devices", "-"),
-                     _f(r.get("median_step_s") and r["median_step_s"] * 1e3, ".1f"),
-                     _f(r.get("tokens_per_s"), ".0f")] for r in gpu["train"]])
-    return "\n\n".join([head, codecs, f"Mesh {col['mesh']}, {col['elements_per_device']} "
-                        "float32 elements per device:", ops, train])

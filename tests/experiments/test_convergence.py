@@ -12,7 +12,9 @@ import pytest
 from experiments import convergence as conv
 from experiments import convergence_specs as conv_specs
 from experiments import convergence_summary as conv_sum
-from experiments import report
+from experiments import report_convergence
+from experiments import report_format
+from experiments import report_projection
 from experiments import report_seeds
 from experiments import seeds as seeds_lib
 
@@ -294,8 +296,8 @@ def test_closest_bytes_pair_and_claims():
         return dict(name=name, gap_pct=gap, byte_ratio=ratio, wire_bytes_total=1000 * ratio)
     runs = [run("baseline", 0.0, 1.0), run("naive", 3.0, 0.13), run("hybrid", 0.5, 0.26),
             run("grad_int2_efon", 1.5, 0.12), run("grad_int2_efoff", 4.0, 0.12)]
-    assert report.closest_bytes_pair(runs, "naive")["name"] == "grad_int2_efon"
-    claims = report.convergence_claims({"runs": runs})
+    assert report_convergence.closest_bytes_pair(runs, "naive")["name"] == "grad_int2_efon"
+    claims = report_convergence.convergence_claims({"runs": runs})
     text = "\n".join(claims)
     assert "PASS against the 1% loss target, FAIL against the 1/4 bytes target" in text
     assert "naive degrades the loss more than hybrid matches here" in text
@@ -314,13 +316,13 @@ def test_best_setting_and_data_codec_claims():
             run("v_big", -0.5, 0.24, 30), run("v_over", 0.1, 0.26, 30),
             run("grad_int8_efoff", -0.2, 0.9, 50), run("grad_int4_efoff", 3.0, 0.9, 13),
             run("grad_powersgd_r4", 20.0, 0.9, 38)]
-    text = "\n".join(report.best_claims(runs))
+    text = "\n".join(report_convergence.best_claims(runs))
     assert "Best per-axis setting meeting both targets: v_small" in text
     assert "data.grad=int8" in text and "Also meeting both: v_big (0.240, -0.50%)" in text
     assert "v_over" not in text and "hybrid" not in text.split("=")[0]
-    none = report.best_claims([r for r in runs if not r["name"].startswith("v_")])
+    none = report_convergence.best_claims([r for r in runs if not r["name"].startswith("v_")])
     assert none and none[0].startswith("No run here meets both targets")
-    data = report.data_codec_claims({r["name"]: r for r in runs})[0]
+    data = report_convergence.data_codec_claims({r["name"]: r for r in runs})[0]
     assert "fewest data-axis bytes within 1% of the baseline's loss is grad_int8_efoff" in data
     assert "grad_powersgd_r4: 0.380 of the data bytes, gap +20.00%" in data
 
@@ -333,12 +335,12 @@ def test_places_claims_name_the_cheapest_half():
         run("baseline", 0.0, 1.0, 1.0), run("tensor_int2", 9.0, 0.07, 1.0),
         run("tensor_int2_layers_0-1", 6.0, 0.53, 1.0), run("tensor_int2_layers_2-3", 2.0, 0.53, 1.0),
         run("pipeline_int2", 3.0, 1.0, 0.07), run("pipeline_int2_stages_0", 1.0, 1.0, 0.5)]}
-    tensor, pipeline = report.places_claims(by)
+    tensor, pipeline = report_convergence.places_claims(by)
     assert tensor.startswith("Where to compress tensor: tensor_int2 gap +9.00% at 0.070")
     assert tensor.endswith("Of the halves, tensor_int2_layers_2-3 costs the least loss.")
     assert "tensor_int2_layers_0-1 gap +6.00% at 0.530 of the tensor bytes" in tensor
     assert "pipeline_int2_stages_0 costs the least" in pipeline
-    assert report.places_claims({"baseline": by["baseline"]}) == []
+    assert report_convergence.places_claims({"baseline": by["baseline"]}) == []
 
 
 def test_projection_claims_compare_order_and_bound():
@@ -349,7 +351,7 @@ def test_projection_claims_compare_order_and_bound():
                       "hybrid": {"tflops_gain_pct": 17.3, "samples_gain_pct": 12.7}},
             "clusters": {"c": {"policies": {"baseline": row(10.0, 2.0), "naive": row(8.5, 0.5),
                                             "hybrid": row(9.0, 1.0)}}}}
-    text = "\n".join(report.projection_claims(proj))
+    text = "\n".join(report_projection.projection_claims(proj))
     # gains 100*(10/8.5-1)=17.6 and 100*(10/9-1)=11.1; comm share 2/10 bounds gains at 25%
     assert "naive +17.6%, hybrid +11.1%" in text
     assert "The order naive > hybrid matches" in text
@@ -467,7 +469,7 @@ def test_the_frontier_keeps_the_settings_no_other_beats_on_bytes_and_interval():
                                      warmup_steps=1, plots={"frontier": "f.png"},
                                      settings=[dict(s, seeds=[0, 1, 2], val_loss=s["gap_pct"],
                                                     git_commits=["abc"]) for s in sts]),
-                                "results/x", lambda s: "-", report.table)
+                                "results/x", lambda s: "-", report_format.table)
     rows = text[text.index("| setting | bytes vs baseline |"):].splitlines()[2:5]
     assert [r.split("|")[1].strip() for r in rows] == got
     assert rows[1].split("|")[-2].strip() == "yes" and rows[2].split("|")[-2].strip() == "no"
@@ -479,14 +481,14 @@ def test_the_frontier_keeps_the_settings_no_other_beats_on_bytes_and_interval():
                                      warmup_steps=1, plots={}, runs=runs,
                                      settings=[dict(s, seeds=[0, 1, 2], val_loss=s["gap_pct"],
                                                     git_commits=["abc"]) for s in sts]),
-                                "results/x", lambda s: "-", report.table)
+                                "results/x", lambda s: "-", report_format.table)
     assert text.rstrip().endswith("mid_good seed 1 (after step 560).")
 
 
 def test_hybrid_preset_setting_matches_the_policy_table():
     settings = [dict(name=s["name"], overrides=s["overrides"], policy=s["policy"],
                      error_feedback=s["error_feedback"]) for s in conv_specs.run_specs()]
-    name = report.hybrid_preset_setting(settings)
+    name = report_convergence.hybrid_preset_setting(settings)
     assert name is not None
     from jcomp.gpt import policy
     spec = next(s for s in conv_specs.run_specs() if s["name"] == name)
@@ -564,6 +566,6 @@ def test_the_outer_suite_reports_bytes_across_the_slow_hop_against_the_uncoded_t
     assert by["hop_raw"]["across_bytes"] == 5000.0
     assert by["outer_h10_int4rot"]["across_bytes"] == 50.0
     assert by["outer_h10_sparseloco_packed_k256"]["across_bytes"] == 10.0
-    text = "\n".join(report_seeds.across_table(sts, report.table))
+    text = "\n".join(report_seeds.across_table(sts, report_format.table))
     row = next(line for line in text.splitlines() if line.startswith("| outer_h10_int4rot"))
     assert "| 0.0100 | 100x | +1.00 |" in row

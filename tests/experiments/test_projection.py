@@ -6,7 +6,7 @@ import pytest
 
 from experiments import linkprofile as link
 from experiments import projection as proj
-from experiments import report
+from experiments import report_projection
 
 MESH1 = {"data": 1, "tensor": 1, "pipeline": 1}
 INTRA = {"data": "intra", "tensor": "intra", "pipeline": "intra"}
@@ -242,6 +242,6 @@ def test_report_states_the_projection_with_communication_hidden_behind_compute()
     res = {"paper": proj.PAPER, "clusters": {"c": {"policies": {
         "baseline": row(10.0, 2.0, 0.0), "naive": row(10.0, 0.5, 0.5),
         "hybrid": row(10.0, 1.0, 0.25)}}}}
-    text = "\n".join(report.projection_claims(res))
+    text = "\n".join(report_projection.projection_claims(res))
     # Hidden: every step is max(10, comm) + codec: 10, 10.5 and 10.25 s.
     assert f"naive {100 * (10 / 10.5 - 1):+.1f}%, hybrid {100 * (10 / 10.25 - 1):+.1f}%" in text
