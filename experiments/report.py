@@ -27,7 +27,7 @@ sets, the learning-rate sweep), report_seeds.py (sets over several seeds),
 report_projection.py, report_benchmarks.py (collectives, the parallel step,
 GPU), report_network.py (the throttled link), report_hops.py (two hops, the
 outer loop), report_auto.py (compression.auto), report_streaming.py
-(Streaming DiLoCo, overlap.json) and probelink.py (probelink.json).
+(Streaming DiLoCo, overlap.json) and report_probelink.py (probelink.json).
 
 --summarize STUDY ... writes each study's runs.jsonl from its run folders
 (experiments/runlog.py) and nothing else: the file that stands in for the run
@@ -43,8 +43,8 @@ import os
 import subprocess
 import sys
 
-from experiments import probelink, report_auto, report_hops, report_network, report_seeds
-from experiments import report_streaming, runlog
+from experiments import report_auto, report_hops, report_network, report_probelink
+from experiments import report_seeds, report_streaming, runlog
 from experiments.report_benchmarks import (collectives_section, gpu_section, parallel_section,
                                            sizes_section)
 from experiments.report_convergence import (compressed_what, convergence_claims,
@@ -160,7 +160,7 @@ def build(results, page_dir: str) -> str:
         if rig:
             commands += report_network.commands(rig)
     if probed:
-        commands.append(probelink.command(probed))
+        commands.append(report_probelink.command(probed))
     if overlap:
         commands.append(overlap["command"])
     if gpu:
@@ -251,7 +251,7 @@ def build(results, page_dir: str) -> str:
             page += [f"## {heading}", "", text, ""]
             claims += found
     if probed:
-        text, found = probelink.report_section(probed)
+        text, found = report_probelink.report_section(probed)
         page += ["## The probe's link against tc's rate (experiments/probelink.py)", "", text, ""]
         claims += found
     if overlap:

@@ -1,7 +1,9 @@
-"""experiments/probelink.py: the probe's link figure against tc's rate."""
+"""experiments/probelink.py and report_probelink.py: the probe's link figure against
+tc's rate."""
 import pytest
 
 from experiments import probelink
+from experiments import report_probelink
 
 
 def test_figures_scale_a_device_by_the_devices_crossing_at_once_against_tc():
@@ -41,12 +43,12 @@ def test_the_report_judges_every_run_of_the_newest_commit_and_names_the_earlier_
     data = {"rows": [_row("a" * 40, "100mbit", 0, 0.5)]
             + [_row("b" * 40, "100mbit", i, x) for i, x in enumerate((0.95, 0.9, 0.97))]
             + [_row("b" * 40, "10mbit", i, x) for i, x in enumerate((0.95, 0.84, 0.97))]}
-    text, claims = probelink.report_section(data)
+    text, claims = report_probelink.report_section(data)
     assert "Commit bbbbbbb" in text and "aaaaaaa 0.500-0.500 (1 runs)" in text
     assert "[65536, 262144]" in text
     by_rate = {c.split(" at ")[1].split(":")[0]: c for c in claims}
     assert "PASS" in by_rate["100mbit"] and "0.950x" in by_rate["100mbit"]
     assert "FAIL" in by_rate["10mbit"]  # one run of three outside 15%
     assert list(by_rate) == ["10mbit", "100mbit"]  # slowest first
-    assert probelink.command(data) == (
+    assert report_probelink.command(data) == (
         "python -m experiments.probelink --rates 10mbit 100mbit --repeats 3 --burst 128kb")
