@@ -16,7 +16,7 @@ behind by a killed run (its pid gone) is removed on the next start.
 
 --procs 1: one process holding all 8 devices, nothing between processes (its
 collectives still cross gloo's TCP on its loopback): the step without the
-link, which report_network's compression.auto section takes as the compute it
+link, which report_auto's compression.auto section takes as the compute it
 adds to the predicted communication, e.g.
 `--procs 1 --rates unthrottled --policies baseline --ttl-rate '' --set ...
 --out experiments/results/network_auto.json`.

@@ -52,7 +52,7 @@ POLICIES = {  # name -> config.compression overrides (mesh.* and outer.*: those 
     # An outer loop across the slow hop: each process an island that trains
     # alone, nothing coded inside; every 10 steps the islands exchange int4:rot
     # pseudo-gradients and step to their mean (outer lr 1, no momentum: the
-    # convergence suite's choice, experiments/convergence.py OUTER_RUNS).
+    # convergence suite's choice, experiments/convergence_specs.py OUTER_RUNS).
     "diloco": {"policy": "baseline", "mesh.dcn_data": "2", **OUTER,
                "outer.codec": "int4:rot", "outer.error_feedback": "off"},
     # Streaming DiLoCo's two halves: the model in 2 fragments of 2 layers, one
