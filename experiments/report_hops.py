@@ -167,4 +167,3 @@ def outer_section(net: dict) -> tuple[str, list[str]]:
             claims.append(f"Outer loop across a {rate} link: {name} {what} (time to the "
                           f"baseline's loss {ttl['target_val_loss']:.4f}, one run each).")
     return "\n".join(out), claims
-
