@@ -11,11 +11,21 @@ of its input independently, so a collective encodes one row per peer at once:
 unchanged), "dense" (decode, sum in float32, code again), "sparse" (scatter-add)
 or, for the structured codecs, "lowrank" and "learned". `row_multiple` is the
 row length that codes without padding; `needs_key` codecs draw random numbers.
-A NaN or Inf is never coded into a finite number. Modules, by family: `base`,
-`blockwise`, `microscale` (MXFP8, MXFP4, NVFP4), `rotation`, `sparse`,
-`sparsepack` (SparseLoCo's packed positions and values), `spec`
-(the grammar), `reader` and `structured` (the specs of jcomp.powersgd and
-jcomp.autoencoder). Nothing here imports from outside the package.
+A NaN or Inf is never coded into a finite number. Modules, by family:
+
+  base        shapes, dtype checks, identity and the 16-bit casts
+  blockwise   int8/int4/int2 and fp8 (block scales, packing), fit and fit_row
+  microscale  mxfp8, mxfp4, nvfp4
+  formats     the narrow floats' bits (E4M3, E2M1, E8M0)
+  rotation    the Hadamard rotation of `:rot`, and the GPU form's pieces
+  gpu         the rotated codecs' Pallas kernels (IntQuant, Mx, NvFp4)
+  sparse      top-k, random-k
+  sparsepack  SparseLoCo's packed positions and values
+  spec        the grammar: every reader of a spec string, byte codecs and structured
+  structured  the specs of jcomp.powersgd and jcomp.autoencoder (PowerSGD, Autoencoder)
+
+`parse` reads a string through `spec` alone. Nothing here imports from outside
+the package.
 """
 from __future__ import annotations
 
@@ -24,10 +34,10 @@ from typing import Any
 from jcomp.codecs.base import Cast, Identity, Payload  # noqa: F401
 from jcomp.codecs.blockwise import DEFAULT_BLOCK, Fp8, IntQuant, fit, fit_row  # noqa: F401
 from jcomp.codecs.microscale import Mx, NvFp4  # noqa: F401
-from jcomp.codecs.reader import byte_codec, parse_byte, split
 from jcomp.codecs.sparse import RandK, TopK  # noqa: F401
 from jcomp.codecs.spec import VALID_FORMS  # noqa: F401
-from jcomp.codecs.structured import Autoencoder, PowerSGD, parse_ae, parse_powersgd
+from jcomp.codecs.spec import byte_codec, parse_byte, split, structured_codec
+from jcomp.codecs.structured import Autoencoder, PowerSGD, parse_ae, parse_powersgd  # noqa: F401
 
 
 def parse(spec) -> Any:
@@ -41,5 +51,5 @@ def parse(spec) -> Any:
     if not isinstance(spec, str):
         return spec if isinstance(spec, (PowerSGD, Autoencoder)) else parse_byte(spec)
     name, opts = split(spec)
-    read = {"powersgd": parse_powersgd, "ae": parse_ae}.get(name)
-    return read(spec) if read else byte_codec(spec, name, opts)
+    structured = {"powersgd": PowerSGD, "ae": Autoencoder}.get(name)
+    return structured_codec(spec, structured) if structured else byte_codec(spec, name, opts)

@@ -1,5 +1,6 @@
-"""What every codec shares: row shapes, dtype checks, and the two codecs that do
-not quantize (identity and the 16-bit casts)."""
+"""What every codec shares: row shapes, dtype checks, the spec text a codec
+prints (`_join`), and the two codecs that do not quantize (identity and the
+16-bit casts)."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,6 +25,11 @@ def _check_float(x, name: str):
 def _as_rows(x):
     """A 0-d array is coded as one element; everything else keeps its shape."""
     return x.reshape(1) if x.ndim == 0 else x
+
+
+def _join(*parts: str) -> str:
+    """A codec's spec text, NAME[:OPTION]..., from its non-empty parts (`__str__`)."""
+    return ":".join(p for p in parts if p)
 
 
 def _rows_shape(shape) -> tuple:

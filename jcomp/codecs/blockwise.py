@@ -1,5 +1,8 @@
 """Block quantizers: int8/int4/int2 (optionally rotated) and fp8, each a float32
-absmax scale per block of the last axis, codes packed into bytes.
+absmax scale per block of the last axis, codes packed into bytes; and `fit`,
+`fit_row`, which size a codec's block to a row. Their GPU kernels live in
+jcomp.codecs.gpu, fp8's bit arithmetic in jcomp.codecs.formats, the spec
+grammar that reads them in jcomp.codecs.spec.
 
 Shape letters (jcomp's legend): R the leading (row) dimensions, C a row's
 length, NB the blocks per row, BL a block's length (the `block` field),
@@ -14,10 +17,11 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jcomp.codecs.base import Payload, _as_rows, _check_float, _numel, _rows_shape
 from jcomp.codecs import rotation
+from jcomp.codecs.base import Payload, _as_rows, _check_float, _join, _numel, _rows_shape
+from jcomp.codecs.formats import _e4m3_bits, _e4m3_values
+from jcomp.codecs.gpu import _int_rot_decoder, _int_rot_encoder
 from jcomp.codecs.rotation import _rotate, _unrotate
-from jcomp.codecs.spec import _bad, _join
 
 # 256 elements per float32 scale: the scale costs 4/256 bytes per element
 # (1.6% on top of int8, 3.1% on int4, 6.3% on int2). Smaller blocks track the
@@ -206,7 +210,8 @@ class IntQuant:
 
     # On a GPU a rotated codec codes in one Pallas kernel per direction: the
     # rotation, the block scale and the codes of a block in registers, so the
-    # rotated values never go to memory (jcomp.codecs.rotation, "the GPU form").
+    # rotated values never go to memory (jcomp.codecs.gpu; jcomp.codecs.rotation,
+    # "the GPU form").
 
     def _fused(self, blocks_shape) -> bool:
         return (self.rot and not self.sr
@@ -276,113 +281,6 @@ class IntQuant:
     def __str__(self):
         return _join(self.name, _block_opt(self.block), "sr" if self.sr else "",
                      "rot" if self.rot else "")
-
-
-def _round_even(v):
-    """jnp.round (to nearest, ties to even) from floor: Triton has no round.
-    Exact for every float32, so it agrees with jnp.round bit for bit."""
-    r = jnp.floor(v)
-    d = v - r
-    odd = (r - 2.0 * jnp.floor(r * 0.5)) == 1.0
-    return jnp.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
-
-
-def _pieces_absmax(pieces):
-    """`_block_absmax` over a block's pieces. Triton's max skips NaN, so a NaN
-    is carried by a separate flag, as XLA's max carries it."""
-    amax, nan = None, None
-    for p in pieces:
-        a = jnp.max(jnp.abs(p), axis=1)
-        b = jnp.max(jnp.where(p != p, 1.0, 0.0), axis=1)
-        amax = a if amax is None else jnp.maximum(amax, a)
-        nan = b if nan is None else jnp.maximum(nan, b)
-    return jnp.where(nan > 0, jnp.nan, amax)
-
-
-def _int_rot_encoder(bits: int, block: int):
-    """Kernel: blocks -> packed codes and scales of IntQuant(bits, block, rot=True),
-    the steps of `encode_basis(_rotate(x))` on pieces."""
-    qmax, per = 2 ** (bits - 1) - 1, 8 // bits
-    width = rotation.piece_width(block, per)
-
-    def kernel(x_ref, s_ref, h_ref, q_ref, scale_ref):
-        from jax.experimental import pallas as pl
-
-        pieces = rotation.transform_pieces(lambda lo, k: x_ref[:, pl.ds(lo, k)], s_ref, h_ref,
-                                           block, width, inverse=False)
-        scale = _pieces_absmax(pieces) / qmax
-        finite = jnp.isfinite(scale)
-        safe = jnp.where(finite & (scale > 0), scale, 1.0)
-        codes = []
-        for p in pieces:
-            v = jnp.clip(_round_even(p / safe[:, None]), -qmax, qmax)
-            signed = jnp.where(p > 0, qmax, jnp.where(p < 0, -qmax, 0.0))
-            codes.append((jnp.where(finite[:, None], v, signed) + qmax).astype(jnp.uint8))
-        run = len(codes) // per  # pieces per packing run
-        for j in range(run):
-            b = codes[j]
-            for k in range(1, per):
-                b = b | (codes[j + k * run] << (k * bits))
-            q_ref[:, pl.ds(j * width, width)] = b
-        scale_ref[...] = scale
-
-    return kernel
-
-
-def _int_rot_decoder(bits: int, block: int):
-    """Kernel: packed codes and scales -> blocks, `_unrotate(decode_basis(p))` on pieces."""
-    qmax, per = 2 ** (bits - 1) - 1, 8 // bits
-    width = rotation.piece_width(block, per)
-    run = block // per // width
-
-    def kernel(q_ref, s_ref, h_ref, scale_ref, o_ref):
-        from jax.experimental import pallas as pl
-
-        scale = scale_ref[...]
-
-        def load(lo, k):  # k == width: piece lo // width
-            j, part = (lo // width) % run, (lo // width) // run
-            b = q_ref[:, pl.ds(j * width, width)]
-            if per > 1:
-                b = (b >> (part * bits)) & jnp.uint8(2**bits - 1)
-            return (b.astype(jnp.float32) - qmax) * scale[:, None]
-
-        pieces = rotation.transform_pieces(load, s_ref, h_ref, block, width, inverse=True)
-        for k, p in enumerate(pieces):
-            o_ref[:, pl.ds(k * width, width)] = p
-
-    return kernel
-
-
-# float8_e4m3fn bits by integer arithmetic on float32 bits. XLA:CPU's own
-# conversions run 2-5x slower than an elementwise pass; these agree with them
-# bit for bit on the values Fp8 codes (tested exhaustively on the codes).
-
-def _e4m3_bits(v, rnd=jnp.round):
-    """float8_e4m3fn bits (uint8) of float32 v, rounded to nearest even.
-
-    Requires finite |v| <= 448 (Fp8 clips and codes non-finite blocks apart).
-    `rnd`: jnp.round, or `_round_even` inside a Triton kernel.
-    """
-    mag = jnp.abs(v)
-    b = jax.lax.bitcast_convert_type(mag, jnp.uint32)
-    # Normal range: keep 3 of 23 mantissa bits, ties to even; a carry rolls
-    # into the exponent. Then rebias the exponent from 127 to 7.
-    normal = ((b + (0x7FFFF + ((b >> 20) & 1))) >> 20) - (120 << 3)
-    subnormal = rnd(mag * 512.0).astype(jnp.uint32)  # multiples of 2**-9
-    code = jnp.where(mag < 2.0**-6, subnormal, normal)
-    sign = (jax.lax.bitcast_convert_type(v, jnp.uint32) >> 31) << 7
-    return (code | sign).astype(jnp.uint8)
-
-
-def _e4m3_values(c):
-    """float32 values of float8_e4m3fn bits (uint8); 0x7F/0xFF are NaN."""
-    c = c.astype(jnp.uint32)
-    mag = c & 0x7F
-    normal = jax.lax.bitcast_convert_type((mag + (120 << 3)) << 20, jnp.float32)
-    v = jnp.where(mag < 8, mag.astype(jnp.float32) * 2.0**-9, normal)
-    v = jnp.where(mag == 0x7F, jnp.nan, v)
-    return jnp.where(c >= 0x80, -v, v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,24 +368,3 @@ def fit_row(codec, c: int):
     per = _codes_per_byte(codec)
     nb = -(-int(c) // block)
     return dataclasses.replace(codec, block=-(-(-(-int(c) // nb)) // per) * per)
-
-
-def block_options(spec, opts, *, allow_sr: bool, default: int = DEFAULT_BLOCK):
-    """Reads `block=N` (else `default`) and (if allowed) the flags `sr` and `rot`,
-    each at most once."""
-    flags, block = ("sr", "rot") if allow_sr else (), default
-    keys = [opt.partition("=")[0] for opt in opts]
-    for opt, key in zip(opts, keys):
-        if keys.count(key) > 1:
-            raise _bad(spec, f"option {key!r} given twice")
-        if opt in flags:
-            continue
-        if key != "block" or "=" not in opt:
-            raise _bad(spec, f"unknown option {opt!r}")
-        try:
-            block = int(opt.partition("=")[2])
-        except ValueError:
-            raise _bad(spec, f"block must be a positive int, got {opt!r}") from None
-        if block <= 0:
-            raise _bad(spec, f"block must be a positive int, got {opt!r}")
-    return block, "sr" in opts, "rot" in opts

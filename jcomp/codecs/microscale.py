@@ -10,7 +10,9 @@
 E2M1 holds 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (code: sign bit 3,
 then the magnitude's index in that list); two codes pack into a byte as int4's
 do (blockwise._pack). E8M0 is a biased exponent, 2**(code - 127), 0xFF NaN;
-E4M3 is float8_e4m3fn (max 448, no Inf, 0x7F NaN).
+E4M3 is float8_e4m3fn (max 448, no Inf, 0x7F NaN). The formats' bit
+arithmetic lives in jcomp.codecs.formats, the codecs' GPU kernels in
+jcomp.codecs.gpu.
 
 Shape letters as in blockwise: R the leading (row) dimensions, NB blocks per
 row, BL a block's length."""
@@ -22,116 +24,16 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jcomp.codecs import rotation
-from jcomp.codecs.base import Payload, _check_float, _numel, _rows_shape
-from jcomp.codecs.blockwise import (_block_absmax, _check_block, _e4m3_bits, _e4m3_values,
-                                    _from_blocks, _pack, _pieces_absmax, _round_even,
+from jcomp.codecs.base import Payload, _check_float, _join, _numel, _rows_shape
+from jcomp.codecs.blockwise import (_block_absmax, _check_block, _from_blocks, _pack,
                                     _to_blocks, _unpack)
+from jcomp.codecs.formats import (E2M1_MAX, E4M3_MAX, E4M3_NAN, ELEMENTS, _e4m3_bits,
+                                  _e4m3_values, _e8m0_codes, _e8m0_inverse, _e8m0_values,
+                                  _element_codes, _element_values)
+from jcomp.codecs.gpu import _fp_rot_decoder, _fp_rot_encoder
 from jcomp.codecs.rotation import _rotate, _unrotate, rotate, unrotate
-from jcomp.codecs.spec import _join
-
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
-# (mantissa bits, smallest normal exponent, largest value) of each element format.
-ELEMENTS = {4: (1, 0, E2M1_MAX), 8: (3, -6, E4M3_MAX)}
-E8M0_NAN = 255
-E4M3_NAN = 0x7F
-
-
-def _bits(v):
-    return jax.lax.bitcast_convert_type(v, jnp.uint32)
-
-
-def _from_bits(b):
-    return jax.lax.bitcast_convert_type(b.astype(jnp.uint32), jnp.float32)
-
-
-# ------------------------------------------------------------------ elements
-
-
-def _e2m1_bits(mag, rnd=jnp.round):
-    """4-bit E2M1 magnitude codes (uint32, 0-7) of float32 mag in [0, 6], to
-    nearest, ties to even. Normal values (>= 1) keep 1 of 23 mantissa bits, as
-    blockwise._e4m3_bits keeps 3; below 1 the grid is 0, 0.5, 1. `rnd`:
-    jnp.round, or blockwise._round_even inside a Triton kernel."""
-    b = _bits(mag)
-    normal = ((b + (0x1FFFFF + ((b >> 22) & 1))) >> 22) - (126 << 1)
-    subnormal = rnd(mag * 2.0).astype(jnp.uint32)
-    return jnp.where(mag < 1.0, subnormal, normal)
-
-
-def _e2m1_values(code):
-    """float32 values of E2M1 codes (uint8, 0-15)."""
-    c = code.astype(jnp.uint32)
-    mag = c & 7
-    normal = _from_bits(((mag >> 1) + 126) << 23 | (mag & 1) << 22)
-    v = jnp.where(mag < 2, mag.astype(jnp.float32) * 0.5, normal)
-    return jnp.where(c >= 8, -v, v)
-
-
-def _stochastic_grid(mag, u, mbits: int, emin: int):
-    """mag (float32 >= 0, at most the format's largest value) rounded to a
-    neighbouring value of a float format with `mbits` mantissa bits and smallest
-    normal exponent `emin`: up with probability equal to the distance from the
-    lower one over the spacing, so unbiased. The spacing is a power of two read
-    from mag's exponent bits, so every step is exact; the format's largest value
-    lies on the grid of its binade, so nothing rounds past it."""
-    e = ((_bits(mag) >> 23) & 0xFF).astype(jnp.int32) - 127
-    step_exp = jnp.maximum(e, emin) - mbits
-    step = _from_bits((step_exp + 127) << 23)
-    inv = _from_bits((127 - step_exp) << 23)
-    return jnp.floor(mag * inv + u) * step
-
-
-def _element_codes(v, bits: int, u, rnd=jnp.round):
-    """Codes of scaled values v (float32, finite) in E2M1 (bits=4, as uint32) or
-    E4M3 (bits=8, as uint8), saturating at the format's largest value, rounded
-    to nearest or, given uniform draws u, stochastically."""
-    mbits, emin, vmax = ELEMENTS[bits]
-    mag = jnp.minimum(jnp.abs(v), vmax)  # saturate, as both formats define
-    if u is not None:
-        mag = _stochastic_grid(mag, u, mbits, emin)
-    if bits == 8:
-        return _e4m3_bits(jnp.where(v < 0, -mag, mag), rnd)
-    return _e2m1_bits(mag, rnd) | jnp.where(v < 0, 8, 0).astype(jnp.uint32)
-
-
-def _element_values(code, bits: int):
-    return _e4m3_values(code) if bits == 8 else _e2m1_values(code)
-
-
-# -------------------------------------------------------------------- scales
-
-
-def _e8m0_codes(amax, vmax: float):
-    """The E8M0 code of the smallest power of two X with amax / X <= vmax: the
-    block's largest element lands in the top binade without saturating. (OCP's
-    example conversion rounds the exponent down instead, so a scaled absmax
-    lies in [4, 8) and whatever lands above 6 saturates; NVIDIA's MXFP8 recipe
-    rounds up, as here.) Exact,
-    on the float bits: amax = (1 + m) 2**e, vmax = (1 + f) 2**E, so X = 2**(e - E),
-    doubled where m > f. Codes stay in [1, 254]: 2**-127 (code 0) is no normal
-    float32. NaN/Inf amax: the NaN code."""
-    b, vb = _bits(amax), int(np.float32(vmax).view(np.uint32))
-    exp, vexp = ((b >> 23) & 0xFF).astype(jnp.int32), (vb >> 23) - 127
-    code = exp - vexp + ((b & 0x7FFFFF) > (vb & 0x7FFFFF)).astype(jnp.int32)
-    code = jnp.clip(code, 1, 254)
-    return jnp.where(jnp.isfinite(amax), code, E8M0_NAN).astype(jnp.uint8)
-
-
-def _e8m0_values(code):
-    c = code.astype(jnp.uint32)
-    return jnp.where(c == E8M0_NAN, jnp.nan, _from_bits(c << 23))
-
-
-def _e8m0_inverse(code):
-    """1 / 2**(code - 127) for codes 1-254, exactly (a normal float32)."""
-    return _from_bits((254 - jnp.minimum(code.astype(jnp.uint32), 253)) << 23)
-
-
-# -------------------------------------------------------------------- codecs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,13 +80,13 @@ class _Microscaled:
             return self.from_basis(self.decode_basis(payload), shape, dtype)
         return _from_blocks(self.decode_basis(payload), None, shape, dtype)
 
-    # On a GPU a rotated codec codes in Pallas kernels, as IntQuant's do
-    # (jcomp.codecs.rotation, "the GPU form"): the rotation, the block scale and
-    # the packed codes of a block in registers. nvfp4's row scale needs the
-    # whole row's largest rotated block first: one kernel rotates and writes
-    # each block's absmax, XLA reduces those per row (1/16 of the elements),
-    # and a second kernel rotates again and codes. Rotating twice reads the
-    # input twice but never writes or re-reads the rotated blocks.
+    # On a GPU a rotated codec codes in Pallas kernels (jcomp.codecs.gpu), as
+    # IntQuant's do (jcomp.codecs.rotation, "the GPU form"): the rotation, the
+    # block scale and the packed codes of a block in registers. nvfp4's row
+    # scale needs the whole row's largest rotated block first: one kernel
+    # rotates and writes each block's absmax, XLA reduces those per row (1/16
+    # of the elements), and a second kernel rotates again and codes. Rotating
+    # twice reads the input twice but never writes or re-reads the rotated blocks.
 
     def _fused(self, blocks_shape) -> bool:
         return (self.rot and not self.sr and blocks_shape[-1] % 2 == 0
@@ -368,94 +270,3 @@ class NvFp4(_Microscaled):
 
     def _decode_scales(self, payload):
         return _e4m3_values(payload["scale"]) * payload["row"]
-
-
-# ------------------------------------------------------------ the GPU kernels
-#
-# A block is rotation.transform_pieces' pieces of W = min(BL, 32) elements.
-# Packed E2M1 puts codes j and j + BL/2 of a block in byte j: for BL > 32 those
-# are pieces k and k + BL/2W, for BL <= 32 the two halves of the one piece.
-
-
-def _fp_rot_encoder(bits: int, block: int, mode: str):
-    """Kernel on blocks, the steps of `encode_basis(_rotate(x))` on pieces.
-    mode "mx": -> packed codes, E8M0 scale codes; "amax": -> each block's
-    absmax; "scaled": (with 1/divisor per block, NaN for a block coded as
-    zeros) -> packed codes."""
-    width = min(block, rotation._LO)
-
-    def kernel(x_ref, s_ref, h_ref, *refs):
-        from jax.experimental import pallas as pl
-
-        pieces = rotation.transform_pieces(lambda lo, k: x_ref[:, pl.ds(lo, k)], s_ref, h_ref,
-                                           block, width, inverse=False)
-        if mode == "amax":
-            refs[0][...] = _pieces_absmax(pieces)
-            return
-        if mode == "mx":
-            amax = _pieces_absmax(pieces)
-            code = _e8m0_codes(amax, ELEMENTS[bits][2])
-            inv, finite = _e8m0_inverse(code), jnp.isfinite(amax)
-            q_ref, scale_ref = refs
-            scale_ref[...] = code
-        else:
-            inv_ref, q_ref = refs
-            inv = inv_ref[...]
-            finite = inv == inv
-        codes = [_element_codes(jnp.where(finite[:, None], p * inv[:, None], 0.0), bits, None,
-                                _round_even) for p in pieces]
-        if bits == 8:
-            for k, c in enumerate(codes):
-                q_ref[:, pl.ds(k * width, width)] = c
-        elif len(codes) == 1:
-            lo, hi = jax.lax.split(codes[0], (width // 2, width // 2), axis=1)
-            q_ref[...] = (lo | (hi << 4)).astype(jnp.uint8)
-        else:
-            half = len(codes) // 2
-            for j in range(half):
-                q_ref[:, pl.ds(j * width, width)] = (codes[j] | (codes[j + half] << 4)).astype(
-                    jnp.uint8)
-
-    return kernel
-
-
-def _fp_rot_decoder(bits: int, block: int, mode: str):
-    """Kernel: packed codes and block scales -> blocks, `_unrotate(decode_basis(p))`
-    on pieces. The scales, by mode: "code" E8M0 codes; "row" E4M3 codes and
-    the program's row scale; "scale" float32 block scales."""
-    width = min(block, rotation._LO)
-    half = block // width // 2
-
-    def kernel(q_ref, s_ref, h_ref, *refs):
-        from jax.experimental import pallas as pl
-
-        o_ref = refs[-1]
-        if mode == "code":
-            scale = _e8m0_values(refs[0][...])
-        elif mode == "row":
-            scale = _e4m3_values(refs[0][...]) * refs[1][...]
-        else:
-            scale = refs[0][...]
-        scale = scale[:, None]
-
-        def load(lo, k):  # k == width: piece lo // width
-            if bits == 8:
-                return _element_values(q_ref[:, pl.ds(lo, k)], 8) * scale
-            if half == 0:  # the piece's two halves share its bytes
-                # Each byte twice, then each half's nibble: joining two decoded
-                # halves (stack, transpose) let XLA:CPU fold the transpose
-                # into the product's contraction, which sums in another order.
-                b = q_ref[...]
-                b = jnp.broadcast_to(b[:, None, :], (b.shape[0], 2, k // 2)).reshape(-1, k)
-                high = jax.lax.iota(jnp.int32, k) >= k // 2
-                shift = jnp.where(high, 4, 0).astype(jnp.uint8)[None, :]
-                return _element_values((b >> shift) & jnp.uint8(15), 4) * scale
-            j, part = (lo // width) % half, (lo // width) // half
-            b = q_ref[:, pl.ds(j * width, width)]
-            return _element_values((b >> 4) if part else (b & jnp.uint8(15)), 4) * scale
-
-        pieces = rotation.transform_pieces(load, s_ref, h_ref, block, width, inverse=True)
-        for k, p in enumerate(pieces):
-            o_ref[:, pl.ds(k * width, width)] = p
-
-    return kernel

@@ -1,7 +1,9 @@
 """The structured codecs' specs, `powersgd:...` and `ae:...`: only the immutable
 spec objects, so that `codecs.parse` reads every codec without importing from
 above; the algorithms live above the collectives they use (jcomp.powersgd,
-jcomp.autoencoder). Where each `kind` may stand: policy.PLACEMENT.
+jcomp.autoencoder). Where each `kind` may stand: policy.PLACEMENT. Their
+grammar (options, valid forms, the reader) is jcomp.codecs.spec's;
+`parse_powersgd` and `parse_ae` hand it the class.
 """
 from __future__ import annotations
 
@@ -9,14 +11,8 @@ import dataclasses
 import math
 import numbers
 
-from jcomp.codecs.reader import parse_byte, split
-from jcomp.codecs.spec import key_value_options
+from jcomp.codecs.spec import _AE_OPTIONS, _POWERSGD_OPTIONS, parse_byte, structured_codec
 
-POWERSGD_FORM = ("powersgd:rank=R[:factor=CODEC][:fallback=CODEC][:min_compression=F] "
-                 "(R an int >= 1, F a number >= 1, CODEC a codec spec without ':' such as "
-                 "none, bf16, int8)")
-AE_FORM = ("ae:dim=A[:init=orthogonal|normal][:rest=CODEC] (A an int >= 1; CODEC one of "
-           "none, bf16, fp16, fp8, int8, int4, int2, mxfp8, mxfp4, nvfp4)")
 INITS = ("orthogonal", "normal")
 RESTS = ("none", "bf16", "fp16", "fp8", "int8", "int4", "int2", "mxfp8", "mxfp4", "nvfp4")
 
@@ -87,12 +83,6 @@ class Autoencoder:
         return _text(self, _AE_OPTIONS)
 
 
-# Each spec option -> (the field it sets, how its text is read).
-_POWERSGD_OPTIONS = {"rank": ("rank", int), "factor": ("factor_codec", str),
-                     "fallback": ("fallback", str), "min_compression": ("min_compression", float)}
-_AE_OPTIONS = {"dim": ("dim", int), "init": ("init", str), "rest": ("rest", str)}
-
-
 def _text(codec, options) -> str:
     """NAME, then key=value for the first option and every other one off its default."""
     defaults = {f.name: f.default for f in dataclasses.fields(codec)}
@@ -104,44 +94,11 @@ def _text(codec, options) -> str:
     return ":".join(parts)
 
 
-def _read(spec, cls, options, form: str, what: str):
-    """`cls` from its spec "NAME:key=value:..." (case-insensitive; an object of
-    `cls` passes through). The first option is required. ValueError names the
-    spec and `form`; TypeError for a spec that is not a string."""
-    if isinstance(spec, cls):
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"{what} spec must be a string; got {type(spec).__name__}")
-
-    def bad(why):
-        return ValueError(f"invalid {what} spec {spec!r}: {why}. Valid form: {form}")
-
-    head, opts = split(spec)
-    if head != cls.name:
-        raise bad(f"it must start with {cls.name!r}, not {head!r}")
-    texts = key_value_options(opts, options, bad)
-    first = next(iter(options))
-    if first not in texts:
-        raise bad(f"{first} is missing")
-    fields = {}
-    for key, text in texts.items():
-        field, read = options[key]
-        try:
-            fields[field] = read(text)
-        except ValueError:
-            raise bad(f"{key} must be {'an int' if read is int else 'a number'}, "
-                      f"got {text!r}") from None
-    try:
-        return cls(**fields)
-    except (TypeError, ValueError) as e:
-        raise bad(str(e)) from None
-
-
 def parse_powersgd(spec) -> PowerSGD:
     """Reads "powersgd:rank=R[:factor=C][:fallback=C][:min_compression=F]"."""
-    return _read(spec, PowerSGD, _POWERSGD_OPTIONS, POWERSGD_FORM, "PowerSGD")
+    return structured_codec(spec, PowerSGD)
 
 
 def parse_ae(spec) -> Autoencoder:
     """Reads "ae:dim=A[:init=...][:rest=...]"."""
-    return _read(spec, Autoencoder, _AE_OPTIONS, AE_FORM, "autoencoder")
+    return structured_codec(spec, Autoencoder)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jcomp import codecs
-from jcomp.codecs import blockwise, rotation, sparse
+from jcomp.codecs import formats, rotation, sparse
 
 SPECS = ["none", "bf16", "fp16", "fp8", "int8", "int4", "int2",
          "int8:sr", "int4:sr", "int2:sr", "int4:rot", "topk:0.1", "randk:0.1"]
@@ -414,7 +414,7 @@ def test_fp8_bits_match_float8_e4m3fn_conversion():
     it can meet (finite |v| <= 448)."""
     codes = jnp.arange(256, dtype=jnp.uint8)
     want = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32))
-    got = np.asarray(jax.jit(blockwise._e4m3_values)(codes))
+    got = np.asarray(jax.jit(formats._e4m3_values)(codes))
     np.testing.assert_array_equal(got, want)  # NaN codes compare equal as NaN
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
     values = np.unique(want[np.isfinite(want)])
@@ -425,7 +425,7 @@ def test_fp8_bits_match_float8_e4m3fn_conversion():
                         rng.normal(size=20000) * 2.0**-7, [0.0, -0.0, 448.0, -448.0]])
     v = jnp.asarray(v[np.abs(v) <= 448], jnp.float32)
     want_bits = jax.lax.bitcast_convert_type(v.astype(jnp.float8_e4m3fn), jnp.uint8)
-    np.testing.assert_array_equal(np.asarray(jax.jit(blockwise._e4m3_bits)(v)), np.asarray(want_bits))
+    np.testing.assert_array_equal(np.asarray(jax.jit(formats._e4m3_bits)(v)), np.asarray(want_bits))
 
 
 @pytest.mark.parametrize("spec", ["bf16", "fp16", "topk:0.25", "randk:0.25"])

@@ -1,8 +1,9 @@
-"""Tests for jcomp.codecs.microscale (mxfp8, mxfp4, nvfp4) against a NumPy
-reference of each format: ml_dtypes' float4_e2m1fn and float8_e4m3fn casts (to
-nearest even, saturating) for elements and E4M3 scales, and the power of two of
-an E8M0 scale found by search. Then bytes, zeros, NaN/Inf, saturation,
-stochastic rounding, rotation, parsing, and the codecs inside the collectives:
+"""Tests for jcomp.codecs.microscale (mxfp8, mxfp4, nvfp4) and its formats
+(jcomp.codecs.formats) against a NumPy reference of each format: ml_dtypes'
+float4_e2m1fn and float8_e4m3fn casts (to nearest even, saturating) for
+elements and E4M3 scales, and the power of two of an E8M0 scale found by
+search. Then bytes, zeros, NaN/Inf, saturation, stochastic rounding, rotation,
+parsing, and the codecs inside the collectives:
 bytes in compiled programs, row-locality, raw sends and gradients."""
 import functools
 import warnings
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jcomp import codecs
 from jcomp import collectives as cc
-from jcomp.codecs import microscale
+from jcomp.codecs import formats
 from jcomp.meter import wire
 
 SPECS = ["mxfp8", "mxfp4", "nvfp4"]
@@ -171,12 +172,12 @@ def test_e2m1_codes_are_the_format_bit_for_bit():
     float4_e2m1fn, and every code decodes to its value."""
     codes = jnp.arange(16, dtype=jnp.uint8)
     want = _cast(np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn), np.float32)
-    np.testing.assert_array_equal(np.asarray(microscale._e2m1_values(codes)), want)
+    np.testing.assert_array_equal(np.asarray(formats._e2m1_values(codes)), want)
     mids = (E2M1_GRID[:-1] + E2M1_GRID[1:]) / 2
     v = np.concatenate([E2M1_GRID, mids, np.nextafter(mids, 7), np.nextafter(mids, -1),
                         np.random.default_rng(4).uniform(0, 6, 4000).astype(np.float32)])
     v = np.concatenate([v, -v]).astype(np.float32)
-    got = np.asarray(jax.jit(lambda a: microscale._element_codes(a, 4, None))(jnp.asarray(v)))
+    got = np.asarray(jax.jit(lambda a: formats._element_codes(a, 4, None))(jnp.asarray(v)))
     assert got.max() < 16
     want_bits = v.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
     # -0.0 codes as +0: both decode to zero.
@@ -185,10 +186,10 @@ def test_e2m1_codes_are_the_format_bit_for_bit():
 
 def test_elements_saturate_at_the_formats_largest_value():
     v = jnp.array([7.0, -100.0, 6.0, 1e30], jnp.float32)
-    got = np.asarray(microscale._e2m1_values(microscale._element_codes(v, 4, None)))
+    got = np.asarray(formats._e2m1_values(formats._element_codes(v, 4, None)))
     np.testing.assert_array_equal(got, [6.0, -6.0, 6.0, 6.0])
     v = jnp.array([500.0, -1e9, 448.0], jnp.float32)
-    got = np.asarray(microscale._e4m3_values(microscale._element_codes(v, 8, None)))
+    got = np.asarray(formats._e4m3_values(formats._element_codes(v, 8, None)))
     np.testing.assert_array_equal(got, [448.0, -448.0, 448.0])
 
 

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 
 from jcomp import codecs
 from jcomp.codecs import rotation
-from jcomp.codecs.blockwise import _round_even, _to_blocks
+from jcomp.codecs.blockwise import _to_blocks
+from jcomp.codecs.gpu import _round_even
 from jcomp.codecs.rotation import _rotate, _unrotate
 
 # A tile of 64 blocks: on XLA:CPU a product of at least 64 rows rounds as one
