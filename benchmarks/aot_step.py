@@ -87,10 +87,11 @@ def auto_entries(cfg, n_devices: int, profile_path: str = PROFILE) -> dict:
     """{"axis.kind": codec} that compression.auto picks for `cfg` on
     `n_devices` from the profile (jcomp.train.plan's choice)."""
     from jcomp.train.auto import decide as auto
+    from jcomp.train.settings import auto as auto_settings
     from jcomp.train.settings import runspec
-    run = runspec.validate(auto.uncompressed(cfg), n_devices)
-    budget = auto.parse_budget(cfg.compression.get("budget", ""))
-    overlap = auto.check_overlap(cfg.compression.get("overlap", 0.0))
+    run = runspec.build(runspec.read(cfg, n_devices).uncompressed())
+    budget = auto_settings.parse_budget(cfg.compression.get("budget", ""))
+    overlap = auto_settings.check_overlap(cfg.compression.get("overlap", 0.0))
     summary = auto.choose(run, auto.load_profile(profile_path, "profile"), budget, overlap,
                           "planned from shapes")
     return {e: v["codec"] for e, v in summary["entries"].items()}

@@ -215,7 +215,7 @@ def auto_flags(config: str, n_devices: int) -> list[str]:
     from jcomp.train import plan
     from jcomp.train.settings import runspec
     cfg = plan._config(os.path.join(ROOT, config))
-    run = runspec.validate(auto.uncompressed(cfg), n_devices)
+    run = runspec.build(runspec.read(cfg, n_devices).uncompressed())
     summary = auto.choose(run, auto.load_profile(PROFILE, "profile"), {}, 0.0, "gpu.py")
     return [f"--config.compression.{entry}={e['codec']}"
             for entry, e in summary["entries"].items() if e["codec"] != "none"]

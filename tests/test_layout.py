@@ -245,20 +245,84 @@ def _config_reads(path):
             and n.attr in sections}
 
 
-SETTINGS = {"jcomp.train.settings.runspec", "jcomp.train.auto.decide", "jcomp.train.plan"}
+SETTINGS = "jcomp.train.settings"  # the folder that reads the config
+DOORS = {"jcomp.train.plan"}         # a CLI that loads a config file and hands it on
 
 
 def test_the_config_is_read_by_the_trainers_settings_only():
-    """The trainer's config is read where it enters: runspec (checked into a frozen
-    RunSpec), auto (compression.auto's fields) and the planning door; every other
-    module takes the values they hand down, and no library or GPT module imports
-    ml_collections."""
+    """The trainer's config is read where it enters, the settings folder (each
+    section into a frozen value beside its checks), and by the planning CLI's
+    door, which loads a config file; every other module takes the values they
+    hand down, and no library or GPT module imports ml_collections."""
     readers = {name for name, path in _modules().items() if _config_reads(path)}
-    assert readers <= SETTINGS, readers - SETTINGS
+    outside = {r for r in readers if not r.startswith(SETTINGS + ".")} - DOORS
+    assert not outside, outside
     assert "jcomp.train.settings.runspec" in readers
     for name, path in _modules().items():
         if not name.startswith("jcomp.train"):
             assert "ml_collections" not in open(path).read(), name
+
+
+def _receivers(run):
+    """{module.function} of every jcomp function called, while `run()` runs, with
+    a ConfigDict (the config or one of its sections) among its arguments."""
+    import sys
+    import threading
+
+    import ml_collections
+
+    found = set()
+    pkg = PKG + os.sep
+
+    def hook(frame, event, arg):  # a "call" event; returning None traces no lines
+        code = frame.f_code
+        if code.co_filename.startswith(pkg):
+            n = code.co_argcount + code.co_kwonlyargcount
+            if any(isinstance(frame.f_locals.get(a), ml_collections.ConfigDict)
+                   for a in code.co_varnames[:n]):
+                found.add(f"{frame.f_globals.get('__name__')}.{code.co_name}")
+
+    sys.settrace(hook)
+    threading.settrace(hook)
+    try:
+        out = run()
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+    return found, out
+
+
+def test_only_the_settings_modules_receive_the_config(tmp_path):
+    """A run (with compression.auto deciding from a profile file) and a plan: the
+    ConfigDict is handed to the settings' functions and to nothing else below the
+    door (`train_and_evaluate`); the check sees a function outside that takes it."""
+    from jcomp import tune
+    from jcomp.train import loop, plan
+    from tests.train.tinyconfig import tiny_config
+
+    link = tune.Link(1e-6, 1e8)
+    cost = tune.CodecCost(1e-13, 1e-13)
+    prof = tune.Profile(links={a: link for a in ("data", "tensor", "pipeline")},
+                        codecs={c: cost for c in tune.DEFAULT_CODECS}, device="made up")
+    path = str(tmp_path / "profile.json")
+    tune.save(prof, path)
+    cfg = tiny_config(**{"train.steps": 2, "train.eval_every": 2, "train.log_every": 1,
+                         "optim.warmup_steps": 0,
+                         "compression.auto": "on", "compression.profile": path})
+    workdir = str(tmp_path / "run")
+    got, last = _receivers(lambda: loop.train_and_evaluate(cfg, workdir))
+    assert last["step"] == 2
+    config = os.path.join(ROOT, "configs", "tiny.py")
+    planned, code = _receivers(lambda: plan.main(["--profile", path, "--config", config,
+                                                  "--devices", "8"]))
+    assert code == 0
+    outside = {f for f in got | planned if not f.startswith(SETTINGS + ".")}
+    assert outside == {"jcomp.train.loop.train_and_evaluate"}, outside
+    assert "jcomp.train.settings.runspec.read" in got & planned
+    # The check itself: a function outside the settings taking the config is seen.
+    from jcomp.train.auto import decide
+    assert _receivers(lambda: decide.codec_budget(cfg))[0] == {
+        "jcomp.train.auto.decide.codec_budget"}
 
 
 def test_the_config_reader_check_sees_a_read(tmp_path):

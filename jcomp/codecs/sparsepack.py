@@ -1,5 +1,5 @@
 """A sparse chunk packed near its entropy: the positions of its k kept entries
-and their values on 2 bits (SparseLoCo's payload, `jcomp.collectives.sparseloco`).
+and their values on 2 bits (SparseLoCo's payload, `jcomp.collectives.outer.sparseloco`).
 
 Positions. The k kept positions of a chunk of c, sorted, carry about
 log2 C(c, k) bits. They are sent as an Elias-Fano code, or as a bitmap where

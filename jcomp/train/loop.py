@@ -38,13 +38,12 @@ from jcomp.train.run import hooks as hooks_lib
 from jcomp.gpt import mesh as mesh_lib
 from jcomp.train.run import metrics as metrics_lib
 from jcomp.train.outer import islands as outer_lib
-from jcomp.train.settings import outer as outerconfig
-from jcomp.train.outer import delay as outerdelay
+from jcomp.train.outer import driver
 from jcomp.train.run import profiler as profiler_lib
 from jcomp.train.run import traffic
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.gpt import sharding as sharding_lib
-from jcomp.gpt import step as step_lib
+from jcomp.train.settings import runspec
 from jcomp.train.settings.runspec import RunSpec, validate
 from jcomp.train.state.stepcache import StepCache, global_batch
 
@@ -103,12 +102,15 @@ def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None,
     outer loop what its syncs send across islands per inner step.
     `stop`: signal handling installed by the caller (otherwise installed here).
     `hooks`: a `jcomp.train.run.hooks.Hooks` the loop calls at its defined points."""
+    # The config is read here, once, and never again: below this line the run
+    # sees frozen settings (jcomp.train.settings), not the ConfigDict.
+    settings = runspec.read(cfg, len(jax.devices()))
     own_stop = stop is None
     stop = faults.StopFlag().install() if own_stop else stop
     locks = []  # the workdir lock once taken, released however the run ends
     created = not os.path.exists(workdir)
     try:
-        last = _train(cfg, workdir, stop, hooks or hooks_lib.Hooks(), locks)
+        last = _train(settings, workdir, stop, hooks or hooks_lib.Hooks(), locks)
     except checkpoint.SaveError as e:
         where = f"saving the checkpoint of step {e.step} to {e.directory}"
         raise faults.write_failed(where, e.last_complete, e.reason, e.disk_full) from None
@@ -122,9 +124,10 @@ def train_and_evaluate(cfg, workdir: str, stop: faults.StopFlag | None = None,
     return last
 
 
-def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, locks: list) -> dict:
-    auto = auto_lib.settings(cfg)  # None with compression.auto off
-    run = validate(auto_lib.uncompressed(cfg) if auto else cfg, len(jax.devices()))
+def _train(settings: runspec.Settings, workdir: str, stop: faults.StopFlag,
+           hooks: hooks_lib.Hooks, locks: list) -> dict:
+    auto = settings.auto  # None with compression.auto off
+    run = runspec.build(settings.uncompressed() if auto else settings)
     faults.check_workdir(workdir)
     mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
     # The data is the same whatever auto chooses; which rows a process loads is not.
@@ -132,7 +135,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     decision = None  # compression.auto's summary: printed, logged and checkpointed
     if auto:
         rows = train_ds.process_batch(0, batch_sharding(mesh))
-        run, decision = auto_lib.decide(cfg, auto, run, mesh, workdir, rows=rows)
+        run, decision = auto_lib.decide(settings, auto, run, mesh, workdir, rows=rows)
         if run.mesh_split() != mesh.shape.get(mesh_lib.DCN, 1):  # auto took the per-hop route
             mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
             val = _val_batches(run, corpus, batch_sharding(mesh))
@@ -148,7 +151,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     start = resume.restore_or_init(run, ckpt, mesh, tx, shapes, make_params, train_ds)
     state, streak = start.state, start.streak
     steps = StepCache(run, mesh, start.tx, shapes)
-    syncs = outerdelay.syncs_for(run, mesh, shapes, start.tx) if run.outer else None
+    outer = driver.for_run(run, mesh, shapes, start.tx, start.outer_pending)
 
     def stopped_before_any_step(i):
         # A signal during setup or the first compile: nothing new exists to save.
@@ -161,11 +164,6 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
     def evaluates(done):
         return bool(val) and (done % t.eval_every == 0 or done == t.steps)
 
-    # With outer.delay, a sync start due after a step overlaps the next step
-    # (outerdelay: in its program, or on a thread beside it); after the last
-    # step or one evaluated (the global model must hold it), it runs alone.
-    pending = start.outer_pending
-    across = {}  # an outer run's bytes across islands per inner step, counted at its start
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     try:
         writer = (metrics_lib.MetricsWriter(metrics_path, tensorboard=True)
@@ -192,21 +190,13 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             phase = schedule_lib.phase_at(run.phases, i)
             if stopped_before_any_step(i):
                 break
-            inner = outer_lib.inner_state(state)
-            exe, report = steps.train(phase, inner, batch)
+            exe, report = steps.train(phase, outer_lib.inner_state(state), batch)
             if stopped_before_any_step(i):
                 break
             profiler.step_starting(done)
             t0 = time.perf_counter()
-            carried, pending = pending, None
-            if carried is None:
-                inner, m = exe(inner, batch)
-                state = {**inner, "outer": state["outer"]} if syncs else inner
-            else:
-                state, m, start_s = syncs.run_carried(carried, phase, steps, state, batch, i)
-            if syncs:  # one program across islands per step (the skip count rides along)
-                m_islands = {**m, "skipped": state["skipped"]}
-                m = outer_lib.island_mean(m_islands)
+            state, m = outer.step(exe, phase, steps, state, batch, i)
+            m, skipped = outer.metrics(m, state)
             # Waiting on every step also keeps emulated CPU devices from deadlocking.
             loss = float(m["loss"])
             dt = time.perf_counter() - t0
@@ -215,35 +205,14 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             if streak:
                 _nonfinite(t, done, loss, streak, ckpt)
             record = steprecord.step_record(done, m, loss, dt, lr_at(i), tokens_per_step, phase,
-                                            int(m["skipped"] if syncs else state["skipped"]))
+                                            skipped)
             if "ef_norm" in record and 0 < t.ef_reset_norm < record["ef_norm"]:
                 state = _reset_ef(state)
                 record["ef_reset"] = True
                 _log.warning("step %d: error-feedback residual norm %.4g exceeds "
                              "train.ef_reset_norm=%g: residuals reset to zero",
                              done, record["ef_norm"], t.ef_reset_norm)
-            for f in outerconfig.applied(done, run.outer):  # outer.delay > 0 only
-                state, seconds = syncs.run_apply(f, state)
-                record.update(outer_applied=f, outer_started_at=done - run.outer.delay,
-                              outer_apply_s=seconds)
-            if carried is not None:
-                record["outer_carried"] = carried
-                if start_s is not None:  # its own seconds, on a thread beside the step's
-                    record["outer_start_s"] = start_s
-            for f in outerconfig.due(done, run.outer):
-                # A sync can fall due after the first step, before the start table
-                # below compiles the syncs; a carried start compiles none here.
-                syncs.prepare(state)
-                if run.outer.delay and done < t.steps and not evaluates(done):
-                    pending = f  # its start overlaps the next step
-                    record["outer_carried_by"] = done + 1
-                else:
-                    state, seconds = syncs.run_sync(f, state, done)
-                    record["outer_sync_s"] = seconds
-                record.update(outer_fragment=f, outer_bytes_per_sync=syncs.bytes_per_sync[f],
-                              outer_bytes_per_step=syncs.bytes_per_step())
-                if run.outer.delay:
-                    record["outer_applies_at"] = done + run.outer.delay
+            state = outer.after_step(done, state, record, phase, steps, batch, evaluates)
             if logged_phase != phase:
                 record.update(steprecord.phase_record(phase, run.plan(phase), logged_phase, report,
                                                        state))
@@ -252,28 +221,19 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                     if decision and writer:
                         _append(writer, {"auto": decision}, metrics_path, done, ckpt, nested=True)
                     bar.write(_start_table(run, phase, report))
-                    if syncs:
-                        syncs.prepare(state)
-                        if run.outer.delay:  # compiled now, not inside a carrying step
-                            syncs.prepare_carried(phase, steps, state, batch)
-                        bar.write(syncs.start_line(report.by_axis().get(outer_lib.AXIS, 0.0)))
-                        across = _across(run, steps, syncs, state, m_islands, val, mesh,
-                                         2 + steps.forward_compressed(phase))
-                        record.update(across)
-                        bar.write(_across_line(record))
-                        record["outer_state_bytes_per_device"] = \
-                            step_lib.device_bytes(state["outer"])
+                    lines, figures = outer.first_phase(state, steps, phase, batch, report, val,
+                                                       mesh)
+                    for line in lines:
+                        bar.write(line)
+                    record.update(figures)
                 if "compression_changes" in record:
                     _log.info("step %d: compression schedule: %s", done,
                               record["compression_changes"])
                 logged_phase = phase
             if evaluates(done):
-                # An outer run's model is the anchor (the global one); the islands'
-                # own params are logged beside it.
-                model = syncs.global_params(state) if syncs else state["params"]
+                model = outer.eval_params(state)
                 record["val_loss"] = steps.val_loss(None, model, val)
-                if syncs:
-                    record["val_loss_islands"] = steps.val_loss(None, state["params"], val)
+                record.update(outer.island_losses(steps, state, val))
                 if steps.forward_compressed(phase):
                     record["val_loss_compressed"] = steps.val_loss(phase, model, val)
             if writer and (steprecord.due(record, done, t.log_every, t.steps)
@@ -284,7 +244,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
             hooks.after_step(done, record)
             stopping = stop.agreed(done)
             meta = resume.checkpoint_meta(run, train_ds, done, start.schedule_steps, streak,
-                                          auto=decision, outer_pending=pending)
+                                          auto=decision, outer_pending=outer.pending)
             if ckpt.maybe_save(done, state, meta, force=stopping or done == t.steps):
                 hooks.during_save(done, os.fspath(ckpt.directory), stop)
             if stopping:
@@ -292,8 +252,7 @@ def _train(cfg, workdir: str, stop: faults.StopFlag, hooks: hooks_lib.Hooks, loc
                 break
     if not last:
         return last
-    last = _with_traffic(last, run, steps)
-    return {**last, **across, "outer_bytes_per_step": syncs.bytes_per_step()} if syncs else last
+    return outer.final(_with_traffic(last, run, steps))
 
 
 def _append(writer, record, metrics_path, done, ckpt, nested=False):
@@ -312,29 +271,6 @@ def _start_table(run, phase, report) -> str:
 
 def _mesh_sizes(run) -> dict:
     return run.plan_sizes()
-
-
-def _across(run, steps: StepCache, syncs, state, m_islands, val, mesh, evals_each: int) -> dict:
-    """Every byte one device sends across islands per inner step of an outer
-    run, read from the compiled programs: the syncs (averaged over their
-    interval), the islands' agreement on each step's metrics, and the
-    `evals_each` evaluations at each eval step (the anchor's and the islands'
-    exact ones, and the compressed forward's where the phase codes one; each
-    crosses as the exact one does), averaged over eval_every."""
-    island = outer_lib.island_mean_bytes(m_islands, mesh)
-    evals = (evals_each * steps.val_bytes_across(syncs.global_params(state), val)
-             / run.train.eval_every if val else 0.0)
-    sync = syncs.bytes_per_step()
-    return {"outer_bytes_per_step": sync, "outer_island_bytes_per_step": island,
-            "outer_eval_bytes_per_step": evals,
-            "outer_across_bytes_per_step": sync + island + evals}
-
-
-def _across_line(record) -> str:
-    return (f"across islands per inner step: {traffic.human(record['outer_across_bytes_per_step'])}"
-            f" per device (syncs {traffic.human(record['outer_bytes_per_step'])}, metrics "
-            f"{traffic.human(record['outer_island_bytes_per_step'])}, evaluation "
-            f"{traffic.human(record['outer_eval_bytes_per_step'])})")
 
 
 def _with_traffic(last: dict, run, steps: StepCache) -> dict:

@@ -62,25 +62,27 @@ def _raised_by(e: BaseException, path: str) -> str:
     return f"{raiser} {type(e).__name__}: {e} (line {f.lineno})"
 
 
-def _mesh(cfg, text: str):
-    if not text:
-        return
-    for item in text.split(","):
+def _mesh_sizes(axes, text: str) -> dict:
+    """--mesh "data=6,dcn_data=2" -> {"data": 6, "dcn_data": 2}, each axis one of `axes`."""
+    sizes = {}
+    for item in text.split(",") if text else ():
         axis, eq, size = item.partition("=")
-        if not eq or axis.strip() not in cfg.mesh or not size.strip().lstrip("-").isdigit():
-            raise ValueError(f"--mesh: want AXIS=SIZE,... with AXIS in {', '.join(cfg.mesh)}; "
+        if not eq or axis.strip() not in axes or not size.strip().lstrip("-").isdigit():
+            raise ValueError(f"--mesh: want AXIS=SIZE,... with AXIS in {', '.join(axes)}; "
                              f"got {item!r}")
-        cfg.mesh[axis.strip()] = int(size)
+        sizes[axis.strip()] = int(size)
+    return sizes
 
 
-def plan_text(cfg, profile, n_devices: int, budget, overlap: float) -> str:
+def plan_text(settings, profile, budget, overlap: float) -> str:
+    """The plan of `settings` (jcomp.train.settings.runspec.Settings) on `profile`."""
     import jax.numpy as jnp
 
     from jcomp import tune
     from jcomp.gpt import policy as policy_lib
     from jcomp.train.auto import decide as auto, stepbytes
     from jcomp.train.settings import runspec
-    run = runspec.validate(auto.uncompressed(cfg), n_devices)
+    run = runspec.build(settings.uncompressed())
     summary = auto.choose(run, profile, budget, overlap, "planned from shapes")
     paper = policy_lib.preset("hybrid_paper")
     msgs = stepbytes.by_entry(run)
@@ -205,16 +207,19 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # shapes only: no accelerator is used
     try:
         from jcomp.train.auto import decide as auto
+        from jcomp.train.settings import auto as auto_settings
+        from jcomp.train.settings import runspec
         if not 1 <= args.devices <= MAX_DEVICES:
             raise ValueError(f"--devices={args.devices}; allowed: 1 to {MAX_DEVICES}")
         profile = auto.load_profile(args.profile, "--profile")
         cfg = _config(args.config)
-        _mesh(cfg, args.mesh)
-        budget = auto.parse_budget(cfg.compression.get("budget", "") if args.budget is None
-                                   else args.budget)
-        overlap = auto.check_overlap(cfg.compression.get("overlap", 0.0) if args.overlap is None
-                                     else args.overlap)
-        text = plan_text(cfg, profile, args.devices, budget, overlap)
+        for axis, size in _mesh_sizes(list(cfg.mesh), args.mesh).items():
+            cfg.mesh[axis] = size
+        budget = auto_settings.parse_budget(
+            cfg.compression.get("budget", "") if args.budget is None else args.budget)
+        overlap = auto_settings.check_overlap(
+            cfg.compression.get("overlap", 0.0) if args.overlap is None else args.overlap)
+        text = plan_text(runspec.read(cfg, args.devices), profile, budget, overlap)
     except (ValueError, TypeError, OSError) as e:
         return _error(str(e) or type(e).__name__)
     print(text)

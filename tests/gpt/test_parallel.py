@@ -251,7 +251,7 @@ def _tiny_logits_fn(pol):
     from jcomp.train.settings import runspec
 
     cfg = tiny.get_config()
-    model_cfg = runspec._model_config(cfg)
+    model_cfg = runspec.read(cfg, 8).sections.model
     m = _mesh(tuple(cfg.mesh[a] for a in ("data", "tensor", "pipeline")))
     plan = messages.plan(pol, model_cfg.n_layers, dict(m.shape))
     params = gpt.init_params(model_cfg, jax.random.key(0), coders=autoencoder.coders(pol))

@@ -1,6 +1,7 @@
 """compression.auto (jcomp.train.auto.decide), its byte model (jcomp.train.auto.stepbytes)
 and the planning CLI (jcomp.train.plan): in process with made-up profiles, then
 train.py in subprocesses (marked e2e)."""
+import dataclasses
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import pytest
 
 from jcomp import tune
 from jcomp.train.auto import decide as auto, pick as autopick, stepbytes
-from jcomp.train.settings import runspec
+from jcomp.train.settings import auto as auto_settings, runspec
 from tests.train.tinyconfig import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,7 +38,7 @@ def write(path, prof):
 
 def uncompressed_run(**overrides):
     cfg = tiny_config(**{"compression.auto": "on", **overrides})
-    return cfg, runspec.validate(auto.uncompressed(cfg), 8)
+    return cfg, runspec.build(runspec.read(cfg, 8).uncompressed())
 
 
 # ------------------------------------------------------------------ deciding
@@ -57,14 +58,14 @@ def test_a_fast_profile_sends_raw_and_a_slow_one_compresses_and_the_run_takes_it
     e = slow["entries"]["data.grad"]
     assert e["coded_bytes"] < e["raw_bytes"] and e["bytes_per_s"] == 1e8
     assert slow["profile"] == SLOW.to_dict()
-    final = runspec.validate(auto.with_policy(cfg, slow), 8)
+    final = runspec.build(auto.with_decision(runspec.read(cfg, 8), slow))
     for entry, codec in chosen.items():
         assert str(final.policy[tuple(entry.split("."))]) == codec
 
 
 def test_budget_and_overlap_move_the_choice():
     _, run = uncompressed_run()
-    capped = auto.overrides(auto.choose(run, SLOW, auto.parse_budget("grad=int8,act=none"),
+    capped = auto.overrides(auto.choose(run, SLOW, auto_settings.parse_budget("grad=int8,act=none"),
                                         0.0, "test"))
     assert capped["data.grad"] == "int8" and capped["tensor.act"] == "none"
     assert capped["tensor.act_grad"] == "int8"  # a budget names one kind only
@@ -86,7 +87,7 @@ def test_the_per_hop_route_is_taken_only_where_it_predicts_less():
     cfg, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
     k = auto.split_for(run, processes=2)
     assert k == 2
-    split_run = runspec.validate(auto.uncompressed(auto.with_split(cfg, k)), 8)
+    split_run = runspec.build(runspec.read(cfg, 8).with_split(k).uncompressed())
     slow_data = tune.Profile(links={**FAST.links, "data": tune.Link(1e-5, 1e8)},
                              codecs=FAST.codecs, device="flat: the data ring crosses the link")
     slow_dcn = tune.Profile(links={**FAST.links, "dcn": tune.Link(1e-5, 1e8)},
@@ -97,7 +98,7 @@ def test_the_per_hop_route_is_taken_only_where_it_predicts_less():
     assert taken["dcn_data"] == 2 and split["seconds"] < flat["seconds"]
     assert taken["raw_seconds"] == flat["raw_seconds"]  # against the mesh as given, raw
     assert set(taken["routes"]) == {"as given", "per hop (mesh.dcn_data=2)"}
-    final = runspec.validate(auto.with_policy(cfg, taken), 8)
+    final = runspec.build(auto.with_decision(runspec.read(cfg, 8), taken))
     assert final.mesh_split() == 2 and str(final.policy["dcn", "grad"]) == "int4:rot"
     assert "route taken: per hop, mesh.dcn_data=2" in auto.table(taken)
     # Everything fast: both routes send raw, and a tie keeps the mesh as given.
@@ -105,12 +106,12 @@ def test_the_per_hop_route_is_taken_only_where_it_predicts_less():
                            {auto.per_hop(k): {**auto.choose(split_run, FAST, None, 0.0, "test"),
                                               "dcn_data": k}})
     assert "dcn_data" not in same or same["dcn_data"] == 1
-    assert runspec.validate(auto.with_policy(cfg, same), 8).mesh_split() == 1
+    assert runspec.build(auto.with_decision(runspec.read(cfg, 8), same)).mesh_split() == 1
 
 
 def _routes_on_a_slow_link():
     cfg, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
-    split_run = runspec.validate(auto.uncompressed(auto.with_split(cfg, 2)), 8)
+    split_run = runspec.build(runspec.read(cfg, 8).with_split(2).uncompressed())
     slow_data = tune.Profile(links={**FAST.links, "data": tune.Link(1e-5, 1e8)},
                              codecs=FAST.codecs, device="flat")
     slow_dcn = tune.Profile(links={**FAST.links, "dcn": tune.Link(1e-5, 1e8)},
@@ -144,7 +145,7 @@ def test_a_trial_takes_the_fastest_measured_route_not_the_models_pick():
     assert taken["step_s"] == 0.30 and taken["raw_step_s"] == 1.0
     assert taken["trial"]["compute_s"] == pytest.approx(1.0 - flat["raw_seconds"])
     assert set(taken["routes"]) == {"as given", "per hop (mesh.dcn_data=2)"}
-    assert runspec.validate(auto.with_policy(cfg, taken), 8).mesh_split() == 1
+    assert runspec.build(auto.with_decision(runspec.read(cfg, 8), taken)).mesh_split() == 1
     text = auto.table(taken)
     assert "trial (3 steps each, median): uncompressed 1 s, as given 0.3 s" in text
     assert "taken: as given" in text and "predicted step: 0.3 s (its trial)" in text
@@ -154,7 +155,7 @@ def test_a_trial_takes_the_fastest_measured_route_not_the_models_pick():
     raw = autopick.weigh_by_trial(flat, {auto.per_hop(2): split}, time_of, 3, margin=100.0)
     assert raw["trial"]["taken"] == "uncompressed" and _is_all_none(raw)
     assert raw["seconds"] == raw["raw_seconds"] == flat["raw_seconds"]
-    assert runspec.validate(auto.with_policy(cfg, raw), 8).mesh_split() == 1
+    assert runspec.build(auto.with_decision(runspec.read(cfg, 8), raw)).mesh_split() == 1
 
 
 def _is_all_none(d):
@@ -181,8 +182,8 @@ def test_a_trial_times_only_candidates_the_model_puts_within_its_margin():
 def test_a_trial_weighs_the_budgets_most_compressed_codecs_beside_the_models_pick(tmp_path):
     path = write(tmp_path / "fast.json", FAST)
     cfg, run = uncompressed_run(**{"compression.profile": path, "compression.trial": 3})
-    s = auto.settings(cfg)
-    flat, others, _ = auto._candidates(cfg, s, run, mesh=None)
+    s = runspec.read(cfg, 8).auto
+    flat, others, _ = auto._candidates(runspec.read(cfg, 8), s, run, mesh=None)
     assert set(auto.overrides(flat).values()) == {"none"}  # the model: raw on a fast link
     name = autopick.AS_GIVEN + auto.FEWEST
     assert list(others) == [name]
@@ -199,32 +200,32 @@ def test_a_trial_weighs_the_budgets_most_compressed_codecs_beside_the_models_pic
     assert set(taken["trial"]["measured_s"]) == {autopick.RAW, name}  # raw as given: one run
     assert "codecs taken: the budget's most compressed on that route" in auto.table(taken)
     assert "codecs taken" not in auto.table(flat)
-    final = runspec.validate(auto.with_policy(cfg, taken), 8)
+    final = runspec.build(auto.with_decision(runspec.read(cfg, 8), taken))
     for entry, codec in most.items():
         assert str(final.policy[tuple(entry.split("."))]) == codec
 
     # The budget caps it; where it is the model's pick already, nothing more is timed;
     # without a trial the model alone decides and no variant is weighed.
-    capped = auto.settings(tiny_config(**{"compression.auto": "on", "compression.profile": path,
+    capped = runspec.read(tiny_config(**{"compression.auto": "on", "compression.profile": path,
                                           "compression.trial": 3, "compression.budget":
-                                          "grad=int8,act=none,act_grad=none"}))
-    _, others, _ = auto._candidates(cfg, capped, run, mesh=None)
+                                          "grad=int8,act=none,act_grad=none"}), 8).auto
+    _, others, _ = auto._candidates(runspec.read(cfg, 8), capped, run, mesh=None)
     assert set(auto.overrides(others[name]).values()) == {"int8", "none"}
-    slow = auto.settings(tiny_config(**{"compression.auto": "on", "compression.trial": 3,
+    slow = runspec.read(tiny_config(**{"compression.auto": "on", "compression.trial": 3,
                                         "compression.profile": write(tmp_path / "slow.json",
-                                                                     SLOW)}))
-    assert auto._candidates(cfg, slow, run, mesh=None)[1] == {}
-    assert auto._candidates(cfg, {**s, "trial": 0}, run, mesh=None)[1] == {}
+                                                                     SLOW)}), 8).auto
+    assert auto._candidates(runspec.read(cfg, 8), slow, run, mesh=None)[1] == {}
+    assert auto._candidates(runspec.read(cfg, 8), dataclasses.replace(s, trial=0), run, mesh=None)[1] == {}
 
 
 def _outer_allowed(budget="outer=10", dcn_bytes_per_s=1e5):
     cfg, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "train.steps": 40})
-    split_run = runspec.validate(auto.uncompressed(auto.with_split(cfg, 2)), 8)
+    split_run = runspec.build(runspec.read(cfg, 8).with_split(2).uncompressed())
     slow_dcn = tune.Profile(links={**FAST.links, "dcn": tune.Link(1e-5, dcn_bytes_per_s)},
                             codecs=FAST.codecs, device="split")
-    b = auto.parse_budget(budget)
+    b = auto_settings.parse_budget(budget)
     split = {**auto.choose(split_run, slow_dcn, b, 0.0, "test"), "dcn_data": 2}
-    return cfg, split, auto.outer_candidate(cfg, b, 0.0, 2, slow_dcn, 8)
+    return cfg, split, auto.outer_candidate(runspec.read(cfg, 8), b, 0.0, 2, slow_dcn)
 
 
 def test_an_outer_loop_is_a_candidate_only_where_the_budget_allows_it():
@@ -240,7 +241,7 @@ def test_an_outer_loop_is_a_candidate_only_where_the_budget_allows_it():
     # under it, the inner codecs as chosen.
     taken = autopick.pick_route(split, {auto.outer_name(outer): outer})
     assert taken["outer"] and taken["seconds"] == outer["seconds"] < split["seconds"]
-    run = runspec.validate(auto.with_policy(cfg, taken), 8)
+    run = runspec.build(auto.with_decision(runspec.read(cfg, 8), taken))
     assert run.outer.every == 10 and run.outer.codec == "int4:rot" and run.mesh_split() == 2
     assert run.outer.lr == 1.0 and run.outer.momentum == 0.0
     assert "route taken: an outer loop across mesh.dcn_data=2 islands, syncing every 10" \
@@ -259,7 +260,7 @@ def test_an_outer_loop_is_a_candidate_only_where_the_budget_allows_it():
         assert d["trial"]["taken"] == taken and bool(d.get("outer")) == (taken == name)
     # A run too short for one sync cannot take it.
     cfg3, _ = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "train.steps": 5})
-    assert auto.outer_candidate(cfg3, {"outer": 10}, 0.0, 2, FAST, 8) is None
+    assert auto.outer_candidate(runspec.read(cfg3, 8), {"outer": 10}, 0.0, 2, FAST) is None
 
 
 def test_an_allowed_outer_loop_that_is_not_weighed_says_why_in_the_table():
@@ -267,14 +268,14 @@ def test_an_allowed_outer_loop_that_is_not_weighed_says_why_in_the_table():
     a mesh with no split to make, or a run that cannot take the loop each gives
     its reason in the decision, which the table prints."""
     cfg, run = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1})
-    s = {"profile": FAST, "profile_path": "fast.json", "budget": {"outer": 10}, "overlap": 0.0,
-         "trial": 0}
-    flat, others, note = auto._candidates(cfg, s, run, mesh=None)
+    s = auto_settings.AutoSettings(mode="on", profile=FAST, profile_path="fast.json",
+                                   budget={"outer": 10}, overlap=0.0, compute_s=0.0, trial=0)
+    flat, others, note = auto._candidates(runspec.read(cfg, 8), s, run, mesh=None)
     assert others == {} and note == ("no outer loop weighed (compression.budget allows "
                                      "outer=10): a written profile has no figures for another "
                                      "mesh than the run's")
     assert note in auto.table({**flat, "not_weighed": note})
-    _, no_outer = auto._candidates(cfg, {**s, "budget": {"grad": "int8"}}, run, mesh=None)[1:]
+    _, no_outer = auto._candidates(runspec.read(cfg, 8), dataclasses.replace(s, budget={"grad": "int8"}), run, mesh=None)[1:]
     assert no_outer is None  # nothing allowed, nothing to explain
     assert auto.no_split(run, 1) == "one process, so no slow hop lies between islands"
     assert auto.no_split(run, 4) == ("mesh.data=4 does not give each of the 4 processes two "
@@ -283,30 +284,30 @@ def test_an_allowed_outer_loop_that_is_not_weighed_says_why_in_the_table():
     _, split = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "mesh.dcn_data": 2})
     assert auto.no_split(split, 2) == "the data axis is split already (mesh.dcn_data=2)"
     short, _ = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "train.steps": 5})
-    why = auto.outer_unfit(short, 2, 10, 8)
+    why = auto.outer_unfit(runspec.read(short, 8), 2, 10)
     assert why and "train.steps" in why, why
-    assert auto.outer_unfit(cfg, 2, 10, 8) is None
+    assert auto.outer_unfit(runspec.read(cfg, 8), 2, 10) is None
 
 
 def test_budget_outer_is_parsed_apart_from_the_codec_kinds():
-    assert auto.parse_budget("grad=int8,outer=10") == {"grad": "int8", "outer": 10}
+    assert auto_settings.parse_budget("grad=int8,outer=10") == {"grad": "int8", "outer": 10}
     assert auto.codec_budget({"grad": "int8", "outer": 10}) == {"grad": "int8"}
     assert auto.codec_budget({"outer": 10}) is None
     for bad in ("outer=1", "outer=x", "outer=-3", "outer=10:x"):
         with pytest.raises(runspec.UsageError, match=rf"^compression.budget='{bad}': outer="):
-            auto.parse_budget(bad)
+            auto_settings.parse_budget(bad)
 
 
 def test_budget_outer_beyond_the_measured_interval_needs_an_opt_in():
     """The outer loop's loss rests on H=10 (and H=50, much worse): H up to 10 is
     admitted, a larger H only as outer=H:extrapolate, and the refusal names the
     evidence and the opt-in."""
-    assert auto.parse_budget(f"outer={auto.MEASURED_OUTER_H}") == {"outer": auto.MEASURED_OUTER_H}
-    assert auto.parse_budget("outer=4") == {"outer": 4}
+    assert auto_settings.parse_budget(f"outer={auto_settings.MEASURED_OUTER_H}") == {"outer": auto_settings.MEASURED_OUTER_H}
+    assert auto_settings.parse_budget("outer=4") == {"outer": 4}
     with pytest.raises(runspec.UsageError, match=r"outer=11 is beyond the interval .*"
                                                  r"H=10: \+2.16% .* outer=11:extrapolate"):
-        auto.parse_budget("outer=11")
-    assert auto.parse_budget("grad=int8,outer=50:extrapolate") == {"grad": "int8", "outer": 50}
+        auto_settings.parse_budget("outer=11")
+    assert auto_settings.parse_budget("grad=int8,outer=50:extrapolate") == {"grad": "int8", "outer": 50}
 
 
 @pytest.mark.slow
@@ -319,9 +320,8 @@ def test_outer_sync_bytes_match_the_compiled_sync():
     from jcomp.train.outer import delay as outerdelay
     from jcomp.train.state import resume
     cfg, _ = uncompressed_run(**{"mesh.data": 4, "mesh.pipeline": 1, "train.steps": 40})
-    out = auto.with_outer(cfg, 2, 10)
-    out.outer.codec = "none"
-    run = runspec.validate(out, 8)
+    out = runspec.read(cfg, 8).with_outer(2, 10)
+    run = runspec.build(dataclasses.replace(out, outer=dataclasses.replace(out.outer, codec="none")))
     mesh = mesh_lib.make_mesh(run.mesh_shape, dcn_data=run.mesh_split())
     tx = run.optim.tx(run.train.steps)
     make = resume.init_params(run)
@@ -370,22 +370,22 @@ def test_compute_seconds_turn_communication_into_a_predicted_step():
 ])
 def test_bad_settings_name_their_field(field, value, named):
     with pytest.raises(runspec.UsageError) as e:
-        auto.settings(tiny_config(**{"compression.auto": "on", field: value}))
+        runspec.read(tiny_config(**{"compression.auto": "on", field: value}), 8).auto
     assert str(e.value).startswith(named)
 
 
 def test_a_trial_and_a_given_compute_time_are_refused_together():
     with pytest.raises(runspec.UsageError, match=r"^compression.compute_s=0.3 with "
                        r"compression.trial=3: the trial measures"):
-        auto.settings(tiny_config(**{"compression.auto": "on", "compression.trial": 3,
-                                     "compression.compute_s": 0.3}))
+        runspec.read(tiny_config(**{"compression.auto": "on", "compression.trial": 3,
+                                     "compression.compute_s": 0.3}), 8).auto
 
 
 def test_auto_off_is_none_and_a_bare_schedule_start_is_kept():
-    assert auto.settings(tiny_config()) is None
-    s = auto.settings(tiny_config(**{"compression.auto": "on",
-                                     "compression.schedule.data.grad": "@2"}))
-    assert s["mode"] == "on" and s["profile"] is None and s["overlap"] == 0.0
+    assert runspec.read(tiny_config(), 8).auto is None
+    s = runspec.read(tiny_config(**{"compression.auto": "on",
+                                     "compression.schedule.data.grad": "@2"}), 8).auto
+    assert s.mode == "on" and s.profile is None and s.overlap == 0.0
 
 
 def test_a_profile_without_an_axis_of_the_mesh_is_refused_naming_the_profile(tmp_path):
@@ -413,18 +413,18 @@ def test_a_resume_keeping_its_decision_reads_no_profile(tmp_path):
     the profile file, which may be gone; a fresh run reads it and names it."""
     missing = str(tmp_path / "gone.json")
     cfg, run = uncompressed_run(**{"compression.profile": missing})
-    s = auto.settings(cfg)  # the file is not read here
-    assert s["profile_path"] == missing and s["profile"] is None
+    s = runspec.read(cfg, 8).auto  # the file is not read here
+    assert s.profile_path == missing and s.profile is None
     with pytest.raises(runspec.UsageError, match=r"^compression.profile='.*gone.json': No such"):
-        auto.decide(cfg, s, run, _mesh8(), str(tmp_path / "fresh"))
+        auto.decide(runspec.read(cfg, 8), s, run, _mesh8(), str(tmp_path / "fresh"))
     workdir = tmp_path / "w"
     _checkpoint(workdir, 4, auto.choose(run, SLOW, None, 0.0, "profile gone.json"))
-    chosen, summary = auto.decide(cfg, s, run, _mesh8(), str(workdir))
+    chosen, summary = auto.decide(runspec.read(cfg, 8), s, run, _mesh8(), str(workdir))
     assert summary["source"] == "kept from the checkpoint of step 4"
     assert str(chosen.policy["data", "grad"]) == "int4:rot"
     # reprobe decides afresh, so it reads the file.
     with pytest.raises(runspec.UsageError, match=r"^compression.profile='.*gone.json'"):
-        auto.decide(cfg, {**s, "mode": "reprobe"}, run, _mesh8(), str(workdir))
+        auto.decide(runspec.read(cfg, 8), dataclasses.replace(s, mode="reprobe"), run, _mesh8(), str(workdir))
 
 
 def test_a_profile_with_absurd_figures_is_refused_naming_the_field(tmp_path):
@@ -434,7 +434,7 @@ def test_a_profile_with_absurd_figures_is_refused_naming_the_field(tmp_path):
     path.write_text(json.dumps(data))
     cfg, run = uncompressed_run(**{"compression.profile": str(path)})
     with pytest.raises(runspec.UsageError) as e:
-        auto.decide(cfg, auto.settings(cfg), run, _mesh8(), str(tmp_path / "w"))
+        auto.decide(runspec.read(cfg, 8), runspec.read(cfg, 8).auto, run, _mesh8(), str(tmp_path / "w"))
     assert str(e.value).startswith(f"compression.profile={str(path)!r}: profile.links['data']: "
                                    "Link.latency_s must be a number in [0, 60]"), str(e.value)
 
@@ -486,8 +486,7 @@ def test_step_bytes_match_the_compiled_uncompressed_step():
 def test_neox20b_is_planned_from_shapes_on_more_devices_than_exist():
     from configs import neox20b
     cfg = neox20b.get_config()
-    cfg.compression.auto = "on"
-    run = runspec.validate(auto.uncompressed(cfg), 192)
+    run = runspec.build(runspec.read(cfg, 192).uncompressed())
     msgs = stepbytes.by_entry(run)
     # The layers' parameters split over tensor 4 x pipeline 4, the untied embedding
     # and head over tensor only; float32, (12-1)/12 of them sent each way.
@@ -502,7 +501,7 @@ def test_plan_states_a_standard_bf16_step_beside_jcomps_own():
     from configs import neox20b
     from jcomp.train import plan
     cfg = neox20b.get_config()
-    run = runspec.validate(auto.uncompressed(cfg), 192)
+    run = runspec.build(runspec.read(cfg, 192).uncompressed())
     mine, std, per = stepbytes.by_entry(run), plan.standard_bf16(run), stepbytes.by_message(run)
     # bf16 gradients, the embedding and head on one of the 4 stages each.
     d, f, n_layers, vocab = 6144, 24576, 44, 50432
@@ -519,7 +518,7 @@ def test_plan_states_a_standard_bf16_step_beside_jcomps_own():
     assert std["tensor", "act"].raw_bytes == pytest.approx(
         mine["tensor", "act"].raw_bytes - per["embed_sum"][0] * 3 / 4)
     prof = tune.load(H100)
-    text = plan.plan_text(cfg, prof, 192, {}, 0.0)
+    text = plan.plan_text(runspec.read(cfg, 192), prof, {}, 0.0)
     (line,) = [l for l in text.splitlines() if l.startswith("baselines:")]
     std_s = sum(tune.predict(prof, a, t, "none", 0.0) for (a, _), t in std.items())
     raw_s = sum(tune.predict(prof, a, t, "none", 0.0) for (a, _), t in mine.items())

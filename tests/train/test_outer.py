@@ -9,7 +9,8 @@ import pytest
 
 from jcomp.collectives.outer.sparseloco import SparseLoCo
 from jcomp.gpt import mesh as mesh_lib
-from jcomp.train.outer import fragments, delay as outerdelay
+from jcomp.train.outer import delay as outerdelay
+from jcomp.train.outer import fragments
 from jcomp.train.settings import outer as outerconfig, runspec
 from jcomp.train.state import resume
 from jcomp.train.state.stepcache import StepCache, global_batch
@@ -54,7 +55,7 @@ class _Run:
     def step(self, seed):
         """One inner step (and the syncs due after it) -> the step's wire report."""
         report = self.inner_step(seed)
-        for f in outerconfig.due(self.done, self.run.outer):
+        for f in fragments.due(self.done, self.run.outer):
             self.state, _ = self.syncs.run_sync(f, self.state, self.done)
         return report
 
@@ -164,8 +165,8 @@ def test_due():
     """Fragment f syncs after the steps n with n % every == f * every / fragments."""
     o = outerconfig.OuterSettings(every=6, codec="none", error_feedback=False, lr=0.7, momentum=0.9,
                             fragments=3)
-    assert [outerconfig.due(n, o) for n in range(1, 8)] == [[], [1], [], [2], [], [0], []]
-    assert outerconfig.due(5, None) == []
+    assert [fragments.due(n, o) for n in range(1, 8)] == [[], [1], [], [2], [], [0], []]
+    assert fragments.due(5, None) == []
 
 
 BAD = [

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jcomp.train.outer import islands as outer, delay as outerdelay
+from jcomp.train.outer import driver, fragments
 from jcomp.train.settings import outer as outerconfig, runspec
 from tests.train.test_outer import _Run, _np
 from tests.train.tinyconfig import tiny_config
@@ -14,20 +15,20 @@ from tests.train.tinyconfig import tiny_config
 def _step(r, seed):
     """One inner step, then the merges and syncs due after it, as the loop runs them."""
     r.inner_step(seed)
-    for f in outerconfig.applied(r.done, r.run.outer):
+    for f in fragments.applied(r.done, r.run.outer):
         r.state, _ = r.syncs.run_apply(f, r.state)
-    for f in outerconfig.due(r.done, r.run.outer):
+    for f in fragments.due(r.done, r.run.outer):
         r.state, _ = r.syncs.run_sync(f, r.state, r.done)
 
 
 def test_merges_come_delay_steps_after_their_start():
     o = outerconfig.OuterSettings(every=6, codec="none", error_feedback=False, lr=1.0,
                                   momentum=0.0, fragments=3, delay=1)
-    assert [outerconfig.due(n, o) for n in range(1, 8)] == [[], [1], [], [2], [], [0], []]
-    assert [outerconfig.applied(n, o) for n in range(1, 8)] == [[], [], [1], [], [2], [], [0]]
+    assert [fragments.due(n, o) for n in range(1, 8)] == [[], [1], [], [2], [], [0], []]
+    assert [fragments.applied(n, o) for n in range(1, 8)] == [[], [], [1], [], [2], [], [0]]
     plain = outerconfig.OuterSettings(every=6, codec="none", error_feedback=False, lr=1.0,
                                       momentum=0.0)
-    assert all(outerconfig.applied(n, plain) == [] for n in range(1, 8))
+    assert all(fragments.applied(n, plain) == [] for n in range(1, 8))
     assert "delay" not in plain.record() and o.record()["delay"] == 1
 
 
@@ -108,7 +109,7 @@ def test_a_started_sync_is_merged_delay_steps_later():
     assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(held["params"]),
                                                         jax.tree.leaves(after["params"])))
     _step(r, 5)
-    assert outerconfig.applied(6, r.run.outer) == [0]
+    assert fragments.applied(6, r.run.outer) == [0]
     r.inner_step(6)
     own = jax.tree.leaves(_np(r.state["zero"]["master"]))
     r.state, _ = r.syncs.run_apply(0, r.state)
@@ -156,7 +157,7 @@ def test_a_start_carried_by_the_next_step_equals_the_start_run_alone():
     for r in (alone, *carried.values()):
         _step(r, 1)
         r.inner_step(2)
-    assert outerconfig.due(2, alone.run.outer) == [1]
+    assert fragments.due(2, alone.run.outer) == [1]
     masters = _np(alone.state["zero"]["master"])
     alone.state, _ = alone.syncs.run_sync(1, alone.state, 2)
     alone.inner_step(3)
@@ -169,7 +170,7 @@ def test_a_start_carried_by_the_next_step_equals_the_start_run_alone():
         r.state, m, seconds = r.syncs.run_carried(1, phase, r.steps, r.state, r.batch(3), 2)
         for x, y in zip(jax.tree.leaves(_np(alone.state)), jax.tree.leaves(_np(r.state))):
             assert np.array_equal(x, y), overlap
-        assert np.isfinite(float(outer.island_mean(m)["loss"]))
+        assert np.isfinite(float(driver.island_mean(m)["loss"]))
         if overlap != "program":
             assert seconds > 0 and r.syncs._carried == {}
             continue

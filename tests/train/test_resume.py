@@ -4,13 +4,13 @@ import dataclasses
 import types
 
 from jcomp.train.state import resume
-from jcomp.train.settings import runspec
+from jcomp.train.settings import sections
 
 
 def _run(**optim):
     base = dict(name="adamw", lr=3e-3, warmup_steps=20, min_lr_ratio=0.1, b1=0.9, b2=0.95,
                 eps=1e-8, weight_decay=0.1, clip_norm=1.0, zero_stage=1)
-    return types.SimpleNamespace(optim=runspec.OptimSettings(**{**base, **optim}))
+    return types.SimpleNamespace(optim=sections.OptimSettings(**{**base, **optim}))
 
 
 def test_changed_optim_fields_are_named_with_both_values():

@@ -11,7 +11,7 @@ from jcomp import codecs
 from jcomp.gpt import policy as policy_lib
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.gpt import step, zero
-from jcomp.train.settings import runspec
+from jcomp.train.settings import runspec, sections
 from tests.train.tinyconfig import tiny_config
 
 _tiny = tiny_config
@@ -306,9 +306,9 @@ def test_dcn_data_of_a_huge_data_axis_is_checked_at_once():
     signal.alarm(5)
     try:
         t0 = time.perf_counter()
-        runspec._check_dcn_data(2, 10 ** 15)
+        sections.check_dcn_data(2, 10 ** 15)
         with pytest.raises(runspec.UsageError) as e:
-            runspec._check_dcn_data(7, 2 ** 40)
+            sections.check_dcn_data(7, 2 ** 40)
         took = time.perf_counter() - t0
     finally:
         signal.alarm(0)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jcomp.train.run import metrics, profiler
+from jcomp.train.run import metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,15 +46,6 @@ def test_writer_puts_numeric_metrics_in_tensorboard(tmp_path):
     assert got["loss"][2] != got["loss"][2], "NaN must stay NaN"
     assert "compression" not in got and "compressed" not in got and "step" not in got
     assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [1, 2]
-
-
-def test_profile_steps_spec():
-    assert profiler.parse_profile_steps("", 10) is None
-    assert profiler.parse_profile_steps("3-5", 10) == (3, 5)
-    assert profiler.parse_profile_steps("4-4", 4) == (4, 4)
-    for bad in ("5", "5-3", "0-2", "2-11", "a-b", "1-2-3", "-3"):
-        with pytest.raises(ValueError, match="train.profile_steps"):
-            profiler.parse_profile_steps(bad, 10)
 
 
 @pytest.mark.e2e

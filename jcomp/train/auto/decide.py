@@ -1,7 +1,8 @@
 """`compression.auto`: the trainer picks each message's codec from measured links.
 
-    s = settings(cfg)                       # None with auto off; UsageError naming the field
-    run, summary = decide(cfg, s, run, mesh, workdir)   # the run with the chosen policy
+    settings = runspec.read(cfg, n_devices)   # settings.auto: the AutoSettings, None if off
+    run = runspec.build(settings.uncompressed())
+    run, summary = decide(settings, settings.auto, run, mesh, workdir)  # the chosen policy
     print(table(summary))
 
 With compression.auto="on" the run's uncompressed message plan is priced per
@@ -16,8 +17,9 @@ compression.profile (a JSON profile, jcomp.tune.load) or, with "", from
 kind) the codec of least predicted time within the default ladders cut by
 compression.budget ("grad=int4:rot,act=int8"), with compression.overlap the
 share of link time hidden behind compute. Its choices become policy entries
-("data.grad": codec, ...) set on a copy of the config, which then goes through
-`runspec.validate` as if the user had written them.
+("data.grad": codec, ...) set on the run's settings
+(`Settings.with_decision`), which are then built (`runspec.build`) as if the
+user had written them.
 
 With the probe and several processes, the per-hop route is weighed too
 (`split_for`): the mesh split into one slow-hop group per process
@@ -40,11 +42,8 @@ cannot see: on two processes sharing CPU cores, the links' and codecs' work
 contends with compute, and the model's error (up to ~27% on the two-hop rig)
 exceeds the differences between the close candidates.
 
-Entries the user sets are refused, not kept: compression.policy other than
-"baseline", any compression.AXIS.KIND or compression.dcn.KIND, and a schedule
-naming a codec (a bare "@STEP" start is kept, as are warmup_steps, layers,
-stages and error_feedback). A half-chosen policy would price the messages
-against codecs the user fixed without saying so.
+Entries the user sets are refused, not kept, when the fields are read
+(jcomp.train.settings.auto).
 
 A resume keeps the decision the newest checkpoint recorded (no probe, the
 profile file unread) unless compression.auto="reprobe": that decides afresh,
@@ -61,158 +60,34 @@ trial is agreed by all (jcomp.train.auto.trial).
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
 import logging
-import math
 import os
 
 import jax
-import ml_collections
 import numpy as np
 
 from jcomp import tune
 from jcomp.gpt import mesh as mesh_lib
-from jcomp.gpt import policy as policy_lib
 from jcomp.train.run import faults
 from jcomp.train.auto import stepbytes, trial
 from jcomp.train.auto.pick import (AS_GIVEN, OUTER_ENTRY, overrides, pick_route,
                                    weigh_by_trial)
+from jcomp.train.settings.auto import OUTER, OUTER_CODEC
+from jcomp.train.settings.runspec import build
 
 UsageError = faults.UsageError
 _log = logging.getLogger(__name__)
-MODES = ("off", "on", "reprobe")
-
-OUTER = "outer"            # the budget's key allowing an outer loop: "outer=H"
-# The outer loop's pseudo-gradients: int4 with a rotation, the best of the
-# settings measured every 10 steps here (experiments/RESULTS.md, outer suite:
-# outer_h10_int4rot +2.16% [-0.01%, +4.34%] over 3 seeds, 78x fewer bytes across).
-OUTER_CODEC = "int4:rot"
-# The intervals H the outer loop's loss was measured at with OUTER_CODEC
-# (configs/base.py, 600 steps, 3 seeds; experiments/RESULTS.md): H=10 +2.16%
-# [-0.01%, +4.34%], H=50 +7.47% [+6.42%, +8.51%]. The budget admits H up to
-# MEASURED_OUTER_H (syncing more often moves toward every-step training); a
-# larger H is an extrapolation from that evidence, allowed only where the
-# budget says so: outer=H:extrapolate.
-MEASURED_OUTER_H = 10
-EXTRAPOLATE = "extrapolate"
 FEWEST = ", fewest bytes"  # a route's variant at the budget's most compressed codecs
-# compression.trial's most steps per candidate. configs/auto.py's 6 took a
-# candidate within 5% of the fastest on the two-hop rig (docs/trainer.md);
-# each timed candidate costs N + 1 steps before training starts, so a far
-# longer trial only delays the run (one of 1e9 steps never ends).
-MAX_TRIAL = 100
-
-
-def settings(cfg) -> dict | None:
-    """The compression.auto fields checked -> {"mode", "profile_path" ("": probe),
-    "profile" (None: the file is read by `decide`, and only where it decides
-    afresh: a resume keeping its decision never reads it), "budget", "overlap",
-    "compute_s", "trial"}; None with auto off."""
-    comp = cfg.compression
-    mode = comp.get("auto", "off")
-    if mode not in MODES:
-        raise UsageError(f"compression.auto={mode!r}; allowed: {', '.join(MODES)}")
-    if mode == "off":
-        return None
-    _refuse_explicit(comp)
-    budget = parse_budget(comp.get("budget", ""))
-    overlap = check_overlap(comp.get("overlap", 0.0))
-    compute_s = check_compute(comp.get("compute_s", 0.0))
-    trial = check_trial(comp.get("trial", 0))
-    if trial and compute_s:
-        raise UsageError(f"compression.compute_s={compute_s!r} with compression.trial={trial}: "
-                         "the trial measures the step's compute; set compute_s=0 or trial=0")
-    path = comp.get("profile", "")
-    if not isinstance(path, str):
-        raise UsageError(f"compression.profile={path!r}; allowed: a profile JSON's path, or '' "
-                         "(probe the run's mesh at start)")
-    return {"mode": mode, "profile_path": path, "profile": None,
-            "budget": budget, "overlap": overlap, "compute_s": compute_s, "trial": trial}
-
-
-def _refuse_explicit(comp):
-    why = "compression.auto chooses it (leave it '' or set compression.auto='off')"
-    if comp.policy != "baseline":
-        raise UsageError(f"compression.policy={comp.policy!r}: with compression.auto on the "
-                         "starting point is 'baseline' and " + why.replace(" it ", " the codecs "))
-    for axis, kind in (*policy_lib.MESSAGES, *policy_lib.HOP_MESSAGES):
-        spec = comp.get(axis, {}).get(kind, "")
-        if spec:
-            raise UsageError(f"compression.{axis}.{kind}={spec!r}: {why}")
-    for axis, kind in policy_lib.MESSAGES:
-        spec = comp.schedule[axis][kind]
-        if spec and not spec.strip().startswith("@"):
-            raise UsageError(f"compression.schedule.{axis}.{kind}={spec!r} names a codec: {why}; "
-                             "a bare '@STEP' start is allowed")
-
-
-def parse_budget(text) -> dict | None:
-    """"grad=int4:rot,act=int8" -> {"grad": "int4:rot", "act": "int8"}, checked against
-    the ladders; "" -> None (tune's defaults)."""
-    field = f"compression.budget={text!r}"
-    if not isinstance(text, str):
-        raise UsageError(f"{field} must be a string like 'grad=int4:rot,act=int8'")
-    if not text.strip():
-        return None
-    budget = {}
-    for item in text.split(","):
-        kind, eq, codec = (s.strip() for s in item.partition("="))
-        if not eq or not kind or not codec or kind in budget:
-            raise UsageError(f"{field}: want KIND=CODEC,... with each kind once (kinds: "
-                             f"{', '.join(tune.DEFAULT_LADDERS)}; and outer=H); got "
-                             f"{item.strip()!r}")
-        budget[kind] = codec
-    every = budget.pop(OUTER, None)
-    if every is not None:
-        every, _, opt_in = every.partition(":")
-        if not (every.isdigit() and int(every) >= 2) or opt_in not in ("", EXTRAPOLATE):
-            raise UsageError(f"{field}: outer={every}{':' + opt_in if opt_in else ''!s}; "
-                             "allowed: outer=H, an int >= 2 (an outer loop syncing every H "
-                             f"steps may be chosen), or outer=H:{EXTRAPOLATE}")
-        if int(every) > MEASURED_OUTER_H and not opt_in:
-            raise UsageError(
-                f"{field}: outer={every} is beyond the interval the outer loop's loss was "
-                f"measured at (H={MEASURED_OUTER_H}: +2.16% [-0.01%, +4.34%], 3 seeds; H=50: "
-                f"+7.47% [+6.42%, +8.51%]; docs/trainer.md); allowed: H <= "
-                f"{MEASURED_OUTER_H}, or outer={every}:{EXTRAPOLATE} to weigh it anyway")
-    try:
-        tune.ladders(budget=budget)
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"{field}: {e}") from None
-    return {**budget, **({OUTER: int(every)} if every else {})}
 
 
 def codec_budget(budget) -> dict | None:
     """The budget's codec kinds alone (what tune.choose takes)."""
     out = {k: v for k, v in (budget or {}).items() if k != OUTER}
     return out or None
-
-
-def check_overlap(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and 0.0 <= value <= 1.0):
-        raise UsageError(f"compression.overlap={value!r}; allowed: a number in [0, 1] (the "
-                         "share of link time hidden behind compute)")
-    return float(value)
-
-
-def check_compute(value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value >= 0.0):
-        raise UsageError(f"compression.compute_s={value!r}; allowed: a number >= 0 (seconds of "
-                         "a step's computation, e.g. an uncompressed step's on a fast link; 0: "
-                         "not known, communication alone is predicted)")
-    return float(value)
-
-
-def check_trial(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TRIAL:
-        raise UsageError(f"compression.trial={value!r}; allowed: an int in [0, {MAX_TRIAL}] "
-                         "(steps timed per candidate before training; 0: the model alone "
-                         "decides)")
-    return value
 
 
 def load_profile(path, field: str = "compression.profile") -> tune.Profile:
@@ -286,46 +161,12 @@ def no_split(run, processes: int) -> str | None:
     return None
 
 
-def with_split(cfg, k: int):
-    out = ml_collections.ConfigDict(cfg.to_dict())
-    out.mesh.dcn_data = k
-    return out
-
-
-def uncompressed(cfg):
-    """A copy of `cfg` for the run before any choice: its error_feedback left to the
-    preset ('on' has nothing to feed back until a lossy codec is chosen)."""
-    out = ml_collections.ConfigDict(cfg.to_dict())
-    out.compression.error_feedback = "auto"
-    return out
-
-
-def with_policy(cfg, summary: dict):
-    """A copy of `cfg` with the decision's codecs set as its compression entries
-    (and its outer loop, where it chose one)."""
-    out = ml_collections.ConfigDict(cfg.to_dict())
-    for entry, codec in overrides(summary).items():
-        if entry == OUTER_ENTRY:
-            continue
-        axis, _, kind = entry.partition(".")
-        out.compression[axis][kind] = codec
-    if summary.get("dcn_data", 1) > 1:
-        out.mesh.dcn_data = summary["dcn_data"]
-    if summary.get("outer"):
-        out = with_outer(out, summary["dcn_data"], summary["outer"]["every"])
-    return out
-
-
-def with_outer(cfg, k: int, every: int):
-    """A copy of `cfg` training under the outer loop auto weighs: one island per
-    slow-hop group (mesh.dcn_data=k), a sync every `every` steps, OUTER_CODEC
-    pseudo-gradients, the islands' mean taken (outer lr 1, no momentum)."""
-    out = ml_collections.ConfigDict(cfg.to_dict())
-    out.mesh.dcn_data = k
-    o = out.outer
-    o.every, o.codec, o.error_feedback, o.lr, o.momentum = every, OUTER_CODEC, "off", 1.0, 0.0
-    o.fragments, o.delay = 1, 0
-    return out
+def with_decision(settings, summary: dict):
+    """`settings` with the decision's codecs set as its compression entries, on
+    its route (mesh.dcn_data, and its outer loop where it chose one)."""
+    entries = {e: c for e, c in overrides(summary).items() if e != OUTER_ENTRY}
+    return settings.with_decision(entries, summary.get("dcn_data", 1),
+                                  (summary.get("outer") or {}).get("every", 0))
 
 
 def saved(workdir) -> tuple[int, dict] | None:
@@ -350,45 +191,43 @@ def saved(workdir) -> tuple[int, dict] | None:
     return None
 
 
-def decide(cfg, s: dict, run, mesh, workdir, rows=None):
-    """-> (the RunSpec of `cfg` with the decision's policy, the decision's summary).
-    `run` is the uncompressed RunSpec of `cfg`, `mesh` the run's mesh (probed when
+def decide(settings, s, run, mesh, workdir, rows=None):
+    """-> (the RunSpec of `settings` (jcomp.train.settings.runspec.Settings) with
+    the decision's policy, the decision's summary). `s`: its AutoSettings; `run`
+    the uncompressed RunSpec of `settings`, `mesh` the run's mesh (probed when
     compression.profile is ''), `rows` this process's first batch rows (for
     compression.trial)."""
-    from jcomp.train.settings.runspec import validate
     kept, s = _basis(s, workdir)
-    if kept is not None and s["mode"] == "on":
+    if kept is not None and s.mode == "on":
         step, summary = kept
         summary = {**summary, "source": f"kept from the checkpoint of step {step}"}
     else:
-        flat, others, note = _candidates(cfg, s, run, mesh)
-        if s["trial"]:
+        flat, others, note = _candidates(settings, s, run, mesh)
+        if s.trial:
             if rows is None:
                 raise ValueError("compression.trial needs the run's first rows (rows=)")
-            summary = _by_trial(cfg, s, mesh, rows, flat, others)
+            summary = _by_trial(settings, s, mesh, rows, flat, others)
         else:
-            summary = pick_route(flat, others, s["compute_s"]) if others else flat
-            summary = with_compute(summary, s["compute_s"])
+            summary = pick_route(flat, others, s.compute_s) if others else flat
+            summary = with_compute(summary, s.compute_s)
         if note:
             summary = {**summary, "not_weighed": note}
-    chosen = validate(with_policy(cfg, summary), len(mesh.devices.flat))
-    if s["mode"] == "reprobe":
+    chosen = build(with_decision(settings, summary))
+    if s.mode == "reprobe":
         _check_reprobe(kept, summary)
     return chosen, summary
 
 
-def _by_trial(cfg, s: dict, mesh, rows, flat: dict, others: dict) -> dict:
-    from jcomp.train.settings.runspec import validate
-    n = len(mesh.devices.flat)
+def _by_trial(settings, s, mesh, rows, flat: dict, others: dict) -> dict:
     with trial.Signals() as signals:
         def time_of(d):
             # An outer loop's trial times its inner steps and its syncs
             # (trial.sync_seconds), per inner step.
-            cand = validate(with_policy(cfg, d), n)
+            cand = build(with_decision(settings, d))
             on = mesh_lib.make_mesh(cand.mesh_shape, dcn_data=cand.mesh_split())
-            return trial.step_seconds(cand, on, rows, s["trial"], stop=signals.agreed)
+            return trial.step_seconds(cand, on, rows, s.trial, stop=signals.agreed)
         try:
-            return weigh_by_trial(flat, others, time_of, s["trial"])
+            return weigh_by_trial(flat, others, time_of, s.trial)
         except trial.Stopped:
             _log.warning("stop requested during compression.trial: nothing written")
             if jax.process_count() > 1:
@@ -399,22 +238,22 @@ def _by_trial(cfg, s: dict, mesh, rows, flat: dict, others: dict) -> dict:
             raise
 
 
-def _basis(s: dict, workdir) -> tuple[tuple[int, dict] | None, dict]:
+def _basis(s, workdir) -> tuple[tuple[int, dict] | None, dict]:
     """(the newest checkpoint's (step, decision), or None; `s` with its profile
     read where the decision is made afresh from a file), the same on every
     process of a cluster or UsageError on every one (`_agree_on_basis`). A
     resume keeping its decision (compression.auto='on') reads no profile."""
     kept = saved(workdir)
-    profile, error = s.get("profile"), None
-    if profile is None and s["profile_path"] and not (kept is not None and s["mode"] == "on"):
+    profile, error = s.profile, None
+    if profile is None and s.profile_path and not (kept is not None and s.mode == "on"):
         try:
-            profile = load_profile(s["profile_path"])
+            profile = load_profile(s.profile_path)
         except UsageError as e:
             error = e
-    _agree_on_basis(s["profile_path"], kept, profile, error)
+    _agree_on_basis(s.profile_path, kept, profile, error)
     if error is not None:
         raise error
-    return kept, {**s, "profile": profile}
+    return kept, dataclasses.replace(s, profile=profile)
 
 
 def _digest(value) -> list[int]:
@@ -473,7 +312,7 @@ def _probe(mesh, codecs=tune.DEFAULT_CODECS) -> tune.Profile:
         raise UsageError(f"compression.profile='' (probe at start): {e}") from None
 
 
-def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict, str | None]:
+def _candidates(settings, s, run, mesh) -> tuple[dict, dict, str | None]:
     """(the decision for the mesh as given, {name: decision} of the other routes,
     a note where the budget allows an outer loop that is not weighed). The other
     routes are weighed only with the probe (a written profile has no figures for
@@ -481,46 +320,44 @@ def _candidates(cfg, s: dict, run, mesh) -> tuple[dict, dict, str | None]:
     links are probed on the split mesh: the per hop route, and an outer loop
     across the split where the budget allows one (`outer_candidate`). With a
     trial, each route's fewest-bytes variant is among the others (`_fewest`)."""
-    from jcomp.train.settings.runspec import validate
-    every = (s["budget"] or {}).get(OUTER)
-    written = s.get("profile")
-    if written is None and s["profile_path"]:
-        written = load_profile(s["profile_path"])
+    every = (s.budget or {}).get(OUTER)
+    written = s.profile
+    if written is None and s.profile_path:
+        written = load_profile(s.profile_path)
     if written is not None:
-        source = f"profile {s['profile_path']}"
-        flat = choose(run, written, s["budget"], s["overlap"], source)
+        source = f"profile {s.profile_path}"
+        flat = choose(run, written, s.budget, s.overlap, source)
         return flat, _fewest(s, AS_GIVEN, flat, run, written, source), _not_weighed(
             every, "a written profile has no figures for another mesh than the run's")
     profile = _probe(mesh)
-    flat = choose(run, profile, s["budget"], s["overlap"], "probed at start")
+    flat = choose(run, profile, s.budget, s.overlap, "probed at start")
     fewest = _fewest(s, AS_GIVEN, flat, run, profile, "probed at start")
     k = split_for(run, jax.process_count())
     if k is None:
         return flat, fewest, _not_weighed(every, no_split(run, jax.process_count()))
-    n = len(mesh.devices.flat)
-    split_run = validate(uncompressed(with_split(cfg, k)), n)
+    split_run = build(settings.with_split(k).uncompressed())
     links = _probe(mesh_lib.make_mesh(split_run.mesh_shape, dcn_data=k), codecs=()).links
     split_profile = tune.Profile(links=links, codecs=profile.codecs,
                                  device=f"{profile.device}; per hop: mesh.dcn_data={k}")
-    split = {**choose(split_run, split_profile, s["budget"], s["overlap"], "probed at start"),
+    split = {**choose(split_run, split_profile, s.budget, s.overlap, "probed at start"),
              "dcn_data": k}
     others = {**fewest, per_hop(k): split,
               **_fewest(s, per_hop(k), split, split_run, split_profile, "probed at start")}
-    outer = outer_candidate(cfg, s["budget"], s["overlap"], k, split_profile, n)
+    outer = outer_candidate(settings, s.budget, s.overlap, k, split_profile)
     if outer is not None:
         others[outer_name(outer)] = outer
-    return flat, others, _not_weighed(every, outer is None and outer_unfit(cfg, k, every, n))
+    return flat, others, _not_weighed(every, outer is None and outer_unfit(settings, k, every))
 
 
-def _fewest(s: dict, name: str, d: dict, run, profile: tune.Profile, source: str) -> dict:
+def _fewest(s, name: str, d: dict, run, profile: tune.Profile, source: str) -> dict:
     """{name + FEWEST: the route's decision with every entry at the most compressed
     codec the budget allows} where a trial runs and it differs from `d` (the
     route's decision by predicted time); {} otherwise. The trial times it because
     the model prices codecs apart from compute, which on a shared machine they
     contend with or overlap: it can drop a codec that the step runs faster with."""
-    if not s["trial"]:
+    if not s.trial:
         return {}
-    most = choose(run, profile, s["budget"], s["overlap"], source, by="bytes")
+    most = choose(run, profile, s.budget, s.overlap, source, by="bytes")
     if overrides(most) == overrides(d):
         return {}
     return {name + FEWEST: {**most, **{k: d[k] for k in ("dcn_data",) if k in d}}}
@@ -534,17 +371,16 @@ def _not_weighed(every, why) -> str | None:
     return f"no outer loop weighed (compression.budget allows outer={every}): {why}"
 
 
-def outer_unfit(cfg, k: int, every: int, n_devices: int) -> str | None:
+def outer_unfit(settings, k: int, every: int) -> str | None:
     """Why the run cannot train under an outer loop across k islands syncing every
-    `every` steps (`with_outer`), or None where it can."""
-    return _outer_run(cfg, k, every, n_devices)[1]
+    `every` steps (`Settings.with_outer`), or None where it can."""
+    return _outer_run(settings, k, every)[1]
 
 
-def _outer_run(cfg, k: int, every: int, n_devices: int):
+def _outer_run(settings, k: int, every: int):
     """(the uncompressed RunSpec under that outer loop, None) or (None, why not)."""
-    from jcomp.train.settings.runspec import validate
     try:
-        return validate(uncompressed(with_outer(cfg, k, every)), n_devices), None
+        return build(settings.with_outer(k, every).uncompressed()), None
     except UsageError as e:
         return None, str(e)
 
@@ -557,16 +393,16 @@ def outer_name(d: dict) -> str:
     return f"outer loop (every {d['outer']['every']}, mesh.dcn_data={d['dcn_data']})"
 
 
-def outer_candidate(cfg, budget, overlap: float, k: int, split_profile: tune.Profile,
-                    n_devices: int) -> dict | None:
+def outer_candidate(settings, budget, overlap: float, k: int,
+                    split_profile: tune.Profile) -> dict | None:
     """The decision for training under an outer loop across the k slow-hop groups
-    (`with_outer`), where the budget allows one (outer=H): codecs for the inner
+    (`Settings.with_outer`), where the budget allows one (outer=H): codecs for the inner
     step's messages, which stay inside an island, and the sync's OUTER_CODEC
     bytes across the slow hop averaged over its H steps (stepbytes.outer_sync)
     as the entry OUTER_ENTRY. None where the budget does not allow it or the
     run cannot take it (e.g. train.steps < H)."""
     every = (budget or {}).get(OUTER)
-    orun = _outer_run(cfg, k, every, n_devices)[0] if every else None
+    orun = _outer_run(settings, k, every)[0] if every else None
     if orun is None:
         return None
     d = choose(orun, split_profile, budget, overlap, "probed at start")

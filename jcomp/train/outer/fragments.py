@@ -132,3 +132,21 @@ def to_zero(x, pspec, zspec, multiple, mesh, island_axis=None):
         return own[None] if island_axis else own
     return jax.shard_map(body, mesh=mesh, in_specs=P(*lead, *pspec),
                          out_specs=P(*lead, *zspec))(x)
+
+
+def due(done: int, outer) -> list[int]:
+    """The fragments whose sync runs (with outer.delay > 0: starts) after inner
+    step `done` (1-based)."""
+    if outer is None or done < 1:
+        return []
+    stride = outer.every // outer.fragments
+    r = done % outer.every
+    return [r // stride] if r % stride == 0 else []
+
+
+def applied(done: int, outer) -> list[int]:
+    """The fragments whose result is merged into the islands after inner step
+    `done`: those whose sync started outer.delay steps before (none without a delay)."""
+    if outer is None or not outer.delay:
+        return []
+    return due(done - outer.delay, outer)

@@ -2,13 +2,14 @@
 the trainer: the islands' train state and the sync program (config.outer is
 read by `jcomp.train.settings.outer`).
 
-    outer = outerconfig.settings(cfg.outer)   # UsageError naming the field, or None (off)
     state = lift(step.init_state(...), run, mesh, shapes, tx)  # islands' copies + outer state
-    syncs = outerdelay.syncs_for(run, mesh, shapes, tx)  # Syncs, or DelayedSyncs
-    for f in outerconfig.applied(done, outer):  # with outer.delay: merged now
+    syncs = delay.syncs_for(run, mesh, shapes, tx)  # Syncs, or DelayedSyncs
+    for f in fragments.applied(done, run.outer):  # with outer.delay: merged now
         state, seconds = syncs.run_apply(f, state)
-    for f in outerconfig.due(done, outer):    # after inner step `done`
+    for f in fragments.due(done, run.outer):    # after inner step `done`
         state, seconds = syncs.run_sync(f, state, done)
+
+What the training loop asks around each step is `jcomp.train.outer.driver`.
 
 Islands. The mesh is ('dcn', 'data', 'tensor', 'pipeline'): each index of
 'dcn' is an island (with mesh.dcn_data = k > 1 the k slow-hop groups; with
@@ -399,23 +400,3 @@ class Syncs:
             self._global = make_global_params(self.run, self.mesh, self.shapes, self.tx)
         return self._global(state)
 
-
-@functools.cache
-def _reducer():
-    return jax.jit(lambda m: {k: (jnp.sum(v) if k == "skipped" else
-                                  jnp.all(v) if v.dtype == jnp.bool_ else jnp.mean(v))
-                              for k, v in m.items()})
-
-
-def island_mean(metrics: dict) -> dict:
-    """The islands' [I] metrics as one value each: the mean (all for "finite",
-    the sum for "skipped"), in a small program of its own (the inner step sends
-    nothing across islands; this one does, every step: the islands agree on
-    whether a step was finite, so that all stop together)."""
-    return _reducer()(metrics)
-
-
-def island_mean_bytes(metrics: dict, mesh) -> float:
-    """Bytes one device sends across islands (AXIS) in `island_mean(metrics)`,
-    read from its compiled program."""
-    return float(wire.measure(_reducer(), metrics, mesh=mesh).by_axis().get(AXIS, 0.0))

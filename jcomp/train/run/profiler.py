@@ -1,24 +1,10 @@
-"""Profiling a few train steps: `StepProfiler(parse_profile_steps("A-B", total),
-logdir)` runs a `jax.profiler` trace from the start of step A to the end of
-step B (steps counted from 1, as in metrics.jsonl); TensorBoard's profile
-plugin or Perfetto read what it writes under logdir/plugins/profile/.
+"""Profiling a few train steps: `StepProfiler((A, B), logdir)` runs a
+`jax.profiler` trace from the start of step A to the end of step B (steps
+counted from 1, as in metrics.jsonl; train.profile_steps, read by
+jcomp.train.settings.sections); TensorBoard's profile plugin or Perfetto read
+what it writes under logdir/plugins/profile/.
 """
 from __future__ import annotations
-
-
-def parse_profile_steps(spec: str, total_steps: int, field: str = "train.profile_steps"):
-    """"A-B" -> (A, B) with 1 <= A <= B <= total_steps; "" -> None. ValueError
-    naming `field` otherwise."""
-    if spec is None or spec == "":
-        return None
-    parts = spec.split("-") if isinstance(spec, str) else []
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"{field}={spec!r}: want FIRST-LAST step numbers, e.g. '5-7', or ''")
-    first, last = (int(p) for p in parts)
-    if not 1 <= first <= last <= total_steps:
-        raise ValueError(f"{field}={spec!r}: need 1 <= FIRST <= LAST <= train.steps "
-                         f"({total_steps})")
-    return first, last
 
 
 class StepProfiler:

@@ -1,7 +1,6 @@
-"""config.outer read and checked: the outer loop's settings (`settings`), when
-each fragment's sync starts (`due`) and, with outer.delay > 0, when its result
-is merged into the islands (`applied`). The trainer's outer loop is
-`jcomp.train.outer.islands`."""
+"""config.outer read and checked: the outer loop's settings (`settings`). When
+each fragment's sync starts and is merged is `jcomp.train.outer.fragments`'s
+`due` and `applied`; the trainer's outer loop is `jcomp.train.outer`."""
 from __future__ import annotations
 
 import dataclasses
@@ -177,20 +176,3 @@ def _check_unused(o):
                              "outer.every=0 runs none; set outer.every > 0, or leave "
                              f"outer.{name} at its default {default!r}")
 
-
-def due(done: int, outer: OuterSettings) -> list[int]:
-    """The fragments whose sync runs (with outer.delay > 0: starts) after inner
-    step `done` (1-based)."""
-    if outer is None or done < 1:
-        return []
-    stride = outer.every // outer.fragments
-    r = done % outer.every
-    return [r // stride] if r % stride == 0 else []
-
-
-def applied(done: int, outer: OuterSettings) -> list[int]:
-    """The fragments whose result is merged into the islands after inner step
-    `done`: those whose sync started outer.delay steps before (none without a delay)."""
-    if outer is None or not outer.delay:
-        return []
-    return due(done - outer.delay, outer)

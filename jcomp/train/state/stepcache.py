@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 from jcomp.gpt import messages, policy, sharding, step
 from jcomp.meter import wire
+from jcomp.train.outer import driver
 from jcomp.train.outer import islands as outer
 
 
@@ -87,13 +88,13 @@ class StepCache:
         per_batch = wire.measure(fn, params, batch, mesh=self.mesh).by_axis().get(outer.AXIS, 0.0)
         # The island mean is metered on the eval's own [I] losses (their layout
         # decides what crosses), so the eval runs once here.
-        per_batch += outer.island_mean_bytes({"loss": fn(params, batch)}, self.mesh)
+        per_batch += driver.island_mean_bytes({"loss": fn(params, batch)}, self.mesh)
         return float(per_batch) * len(val_batches)
 
     def _one(self, loss):
         """An outer run's [I] island losses -> their mean (each island's over its
         share of the rows: the whole batch's mean loss where the islands agree)."""
-        return outer.island_mean({"loss": loss})["loss"] if self.run.outer else loss
+        return driver.island_mean({"loss": loss})["loss"] if self.run.outer else loss
 
     def exact_plan(self) -> messages.Plan:
         return messages.plan(policy.preset("baseline"), self.run.model.n_layers,
