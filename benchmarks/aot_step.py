@@ -86,13 +86,13 @@ def config(path: str):
 def auto_entries(cfg, n_devices: int, profile_path: str = PROFILE) -> dict:
     """{"axis.kind": codec} that compression.auto picks for `cfg` on
     `n_devices` from the profile (jcomp.train.plan's choice)."""
-    from jcomp.train.auto import decide as auto
+    from jcomp.train.auto import basis as auto_basis, decide as auto
     from jcomp.train.settings import auto as auto_settings
     from jcomp.train.settings import runspec
     run = runspec.build(runspec.read(cfg, n_devices).uncompressed())
     budget = auto_settings.parse_budget(cfg.compression.get("budget", ""))
     overlap = auto_settings.check_overlap(cfg.compression.get("overlap", 0.0))
-    summary = auto.choose(run, auto.load_profile(profile_path, "profile"), budget, overlap,
+    summary = auto.choose(run, auto_basis.load_profile(profile_path, "profile"), budget, overlap,
                           "planned from shapes")
     return {e: v["codec"] for e, v in summary["entries"].items()}
 

@@ -211,12 +211,12 @@ def bench_psum(codec_names, mib: float, repeats: int) -> dict:
 def auto_flags(config: str, n_devices: int) -> list[str]:
     """The --config.compression.AXIS.KIND=CODEC flags of what `python -m
     jcomp.train.plan` picks for `config` on `n_devices` from the H100 profile."""
-    from jcomp.train.auto import decide as auto
+    from jcomp.train.auto import basis as auto_basis, decide as auto
     from jcomp.train import plan
     from jcomp.train.settings import runspec
     cfg = plan._config(os.path.join(ROOT, config))
     run = runspec.build(runspec.read(cfg, n_devices).uncompressed())
-    summary = auto.choose(run, auto.load_profile(PROFILE, "profile"), {}, 0.0, "gpu.py")
+    summary = auto.choose(run, auto_basis.load_profile(PROFILE, "profile"), {}, 0.0, "gpu.py")
     return [f"--config.compression.{entry}={e['codec']}"
             for entry, e in summary["entries"].items() if e["codec"] != "none"]
 

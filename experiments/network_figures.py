@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 
 from experiments.network_launch import POLICIES
-from jcomp.train.auto import decide as auto_lib
+from jcomp.train.auto import table as auto_table
 
 
 def summarize(raw: dict, warm_steps: int) -> dict:
@@ -94,7 +94,7 @@ def _auto_figures(decision: dict) -> dict:
                 # one's trial time (the decision's predicted step).
                 **({"trial": decision["trial"], "trial_step_s": decision["step_s"]}
                    if decision.get("trial") else {}),
-                table=auto_lib.table(decision))  # as train.py printed it
+                table=auto_table.table(decision))  # as train.py printed it
 
 
 def _outer_figures(by_step, static, window, delta, devices) -> dict:

@@ -4,21 +4,23 @@ compress what they send.
 Folders, top to bottom; a module imports from its own folder or one below,
 never above (tests/test_layout.py reads the imports and checks it):
 
-  train        the run: runspec (the checked config), loop, resume, stepcache,
-               record, hooks, data, sources, checkpoint, checksums, metrics,
-               faults, quiet, cluster                          [train] extra
+  train        the run: loop and plan at its door; settings (the config read
+               once into frozen values), run (checkpoints, data, metrics,
+               faults, processes), outer (the outer loop), state (resume,
+               compiled steps), auto (compression.auto)    [train] extra
   gpt          mesh, model (Flax GPT), autoencoder (a learned codec), policy
                (codec per axis and message kind), schedule, messages (the
-               plan), parallel (3-D layout), optimizer (ZeRO), step
-  collectives  compressed drop-ins for the jax.lax collectives, PowerSGD,
-               cc.value_and_grad for jax.jit programs (which checks its
-               bytes with the meter)
+               plan), parallel (3-D layout), zero (ZeRO), step
+  tune         codecs chosen from measured links: profile, probe, choose
+  collectives  compressed drop-ins for the jax.lax collectives and their
+               kernels, PowerSGD; jit/ (cc.value_and_grad for jax.jit
+               programs, which checks its bytes with the meter); outer/
+               (cc.outer_sync, SparseLoCo)
   meter        wire and hlo: bytes read from compiled programs; scope: the
                named scopes the collectives write and the meter reads
   codecs       what travels: byte codecs and the structured codecs' specs
 
-The library (codecs, collectives, meter) needs only jax and numpy.
-`jcomp.wire` and `jcomp.policy` are kept as aliases of their modules.
+The library (codecs, collectives, meter, tune) needs only jax and numpy.
 
 Shape letters, used as suffixes (x_BxLxD) everywhere:
 

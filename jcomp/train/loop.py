@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jcomp.train.auto import decide as auto_lib
+from jcomp.train.auto import table as auto_table
 from jcomp.train.run import checkpoint, cluster, data, faults, record as steprecord
 from jcomp.train.state import resume
 from jcomp.train.run import hooks as hooks_lib
@@ -179,7 +180,7 @@ def _train(settings: runspec.Settings, workdir: str, stop: faults.StopFlag,
     logged_phase = None  # the phase whose static metrics were last logged
     last, sent = {}, 0.0  # sent: bytes per device per step of the step running now
     if decision and jax.process_index() == 0:
-        print(auto_lib.table(decision), flush=True)
+        print(auto_table.table(decision), flush=True)
     with metrics_lib.Progress(t.steps, start.step) as bar, _finishing(ckpt, writer), profiler:
         for i in range(start.step, t.steps):
             done = i + 1

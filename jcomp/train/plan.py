@@ -206,12 +206,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # shapes only: no accelerator is used
     try:
-        from jcomp.train.auto import decide as auto
+        from jcomp.train.auto import basis as auto_basis
         from jcomp.train.settings import auto as auto_settings
         from jcomp.train.settings import runspec
         if not 1 <= args.devices <= MAX_DEVICES:
             raise ValueError(f"--devices={args.devices}; allowed: 1 to {MAX_DEVICES}")
-        profile = auto.load_profile(args.profile, "--profile")
+        profile = auto_basis.load_profile(args.profile, "--profile")
         cfg = _config(args.config)
         for axis, size in _mesh_sizes(list(cfg.mesh), args.mesh).items():
             cfg.mesh[axis] = size

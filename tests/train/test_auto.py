@@ -12,7 +12,8 @@ import time
 import pytest
 
 from jcomp import tune
-from jcomp.train.auto import decide as auto, pick as autopick, stepbytes
+from jcomp.train.auto import basis, decide as auto, pick as autopick, stepbytes
+from jcomp.train.auto import table as auto_table
 from jcomp.train.settings import auto as auto_settings, runspec
 from tests.train.tinyconfig import tiny_config
 
@@ -100,7 +101,7 @@ def test_the_per_hop_route_is_taken_only_where_it_predicts_less():
     assert set(taken["routes"]) == {"as given", "per hop (mesh.dcn_data=2)"}
     final = runspec.build(auto.with_decision(runspec.read(cfg, 8), taken))
     assert final.mesh_split() == 2 and str(final.policy["dcn", "grad"]) == "int4:rot"
-    assert "route taken: per hop, mesh.dcn_data=2" in auto.table(taken)
+    assert "route taken: per hop, mesh.dcn_data=2" in auto_table.table(taken)
     # Everything fast: both routes send raw, and a tie keeps the mesh as given.
     same = autopick.pick_route(auto.choose(run, FAST, None, 0.0, "test"),
                            {auto.per_hop(k): {**auto.choose(split_run, FAST, None, 0.0, "test"),
@@ -146,7 +147,7 @@ def test_a_trial_takes_the_fastest_measured_route_not_the_models_pick():
     assert taken["trial"]["compute_s"] == pytest.approx(1.0 - flat["raw_seconds"])
     assert set(taken["routes"]) == {"as given", "per hop (mesh.dcn_data=2)"}
     assert runspec.build(auto.with_decision(runspec.read(cfg, 8), taken)).mesh_split() == 1
-    text = auto.table(taken)
+    text = auto_table.table(taken)
     assert "trial (3 steps each, median): uncompressed 1 s, as given 0.3 s" in text
     assert "taken: as given" in text and "predicted step: 0.3 s (its trial)" in text
 
@@ -185,7 +186,7 @@ def test_a_trial_weighs_the_budgets_most_compressed_codecs_beside_the_models_pic
     s = runspec.read(cfg, 8).auto
     flat, others, _ = auto._candidates(runspec.read(cfg, 8), s, run, mesh=None)
     assert set(auto.overrides(flat).values()) == {"none"}  # the model: raw on a fast link
-    name = autopick.AS_GIVEN + auto.FEWEST
+    name = autopick.AS_GIVEN + autopick.FEWEST
     assert list(others) == [name]
     most = auto.overrides(others[name])
     assert most["data.grad"] == "int4:rot" and most["data.param"] == "int8"
@@ -198,8 +199,8 @@ def test_a_trial_weighs_the_budgets_most_compressed_codecs_beside_the_models_pic
     taken = autopick.weigh_by_trial(flat, others, time_of, 3)
     assert taken["trial"]["taken"] == name and taken["step_s"] == 0.8
     assert set(taken["trial"]["measured_s"]) == {autopick.RAW, name}  # raw as given: one run
-    assert "codecs taken: the budget's most compressed on that route" in auto.table(taken)
-    assert "codecs taken" not in auto.table(flat)
+    assert "codecs taken: the budget's most compressed on that route" in auto_table.table(taken)
+    assert "codecs taken" not in auto_table.table(flat)
     final = runspec.build(auto.with_decision(runspec.read(cfg, 8), taken))
     for entry, codec in most.items():
         assert str(final.policy[tuple(entry.split("."))]) == codec
@@ -245,7 +246,7 @@ def test_an_outer_loop_is_a_candidate_only_where_the_budget_allows_it():
     assert run.outer.every == 10 and run.outer.codec == "int4:rot" and run.mesh_split() == 2
     assert run.outer.lr == 1.0 and run.outer.momentum == 0.0
     assert "route taken: an outer loop across mesh.dcn_data=2 islands, syncing every 10" \
-        in auto.table(taken)
+        in auto_table.table(taken)
     # On a fast hop it sends less still, but saves under OUTER_GAIN of a step with
     # 10 ms of compute: the every-step route is kept.
     _, split, outer = _outer_allowed(dcn_bytes_per_s=1e13)
@@ -274,7 +275,7 @@ def test_an_allowed_outer_loop_that_is_not_weighed_says_why_in_the_table():
     assert others == {} and note == ("no outer loop weighed (compression.budget allows "
                                      "outer=10): a written profile has no figures for another "
                                      "mesh than the run's")
-    assert note in auto.table({**flat, "not_weighed": note})
+    assert note in auto_table.table({**flat, "not_weighed": note})
     _, no_outer = auto._candidates(runspec.read(cfg, 8), dataclasses.replace(s, budget={"grad": "int8"}), run, mesh=None)[1:]
     assert no_outer is None  # nothing allowed, nothing to explain
     assert auto.no_split(run, 1) == "one process, so no slow hop lies between islands"
@@ -344,11 +345,11 @@ def test_compute_seconds_turn_communication_into_a_predicted_step():
     _, run = uncompressed_run()
     slow = auto.choose(run, SLOW, None, 0.0, "test")
     unknown = auto.with_compute(slow, 0.0)
-    assert unknown["step_s"] is None and "predicted step" not in auto.table(unknown)
+    assert unknown["step_s"] is None and "predicted step" not in auto_table.table(unknown)
     known = auto.with_compute(slow, 0.25)
     assert known["step_s"] == pytest.approx(0.25 + slow["seconds"])
     assert known["raw_step_s"] == pytest.approx(0.25 + slow["raw_seconds"])
-    assert "predicted step: " in auto.table(known)
+    assert "predicted step: " in auto_table.table(known)
 
 
 @pytest.mark.parametrize("field,value,named", [
@@ -440,7 +441,7 @@ def test_a_profile_with_absurd_figures_is_refused_naming_the_field(tmp_path):
 
 
 def test_saved_reads_the_newest_complete_checkpoints_decision(tmp_path):
-    assert auto.saved(str(tmp_path)) is None
+    assert basis.saved(str(tmp_path)) is None
     for step, codec, done in ((2, "int8", True), (4, "bf16", True), (6, "none", False)):
         d = tmp_path / "checkpoints" / str(step)
         (d / "meta").mkdir(parents=True)
@@ -448,7 +449,7 @@ def test_saved_reads_the_newest_complete_checkpoints_decision(tmp_path):
             {"auto": {"entries": {"data.grad": {"codec": codec}}}}))
         if done:
             (d / "commit_success.txt").write_text("")
-    step, summary = auto.saved(str(tmp_path))
+    step, summary = basis.saved(str(tmp_path))
     assert step == 4 and auto.overrides(summary) == {"data.grad": "bf16"}
 
 

@@ -51,15 +51,12 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jcomp.collectives import arguments, ops
-from jcomp.collectives.jit import bytecheck, specs as jitspecs, unreduced
+from jcomp.collectives.jit import auxvalues as aux_lib, bytecheck, specs as jitspecs, unreduced
 from jcomp.collectives.jit.constraints import batch_constraints
 from jcomp.collectives.jit.reduce import gather, reduce
 from jcomp.collectives.jit.specs import scatter_specs  # noqa: F401  (public)
 
 __all__ = ["value_and_grad", "scatter_specs", "gather_params"]
-
-AUX_RULES = ("sum", "mean", "weighted", "max", "min")
-
 
 def _check_mesh(mesh, data_axes):
     if not isinstance(mesh, jax.sharding.Mesh):
@@ -74,21 +71,6 @@ def _check_mean_over(mean_over):
         return
     raise ValueError(f"mean_over must be 'examples', 'sum' or a function count(batch) -> "
                      f"the number of items the loss is a mean over; got {mean_over!r}")
-
-
-def _aux_rules(aux, has_aux):
-    if not has_aux:
-        if aux is not None:
-            raise ValueError("aux= says how the ranks' aux values combine; it needs has_aux=True")
-        return None
-    if aux is None:
-        raise ValueError("has_aux=True needs aux=: how each aux leaf combines over the data "
-                         f"ranks, one of {AUX_RULES} (a string for all, or a tree prefix of "
-                         "aux with one per subtree)")
-    for rule in jax.tree.leaves(aux):
-        if rule not in AUX_RULES:
-            raise ValueError(f"aux: {rule!r} is not one of {AUX_RULES}")
-    return aux
 
 
 def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=None,
@@ -135,7 +117,7 @@ def value_and_grad(loss_fn, *, mesh, mean_over=None, param_specs=None, rules=Non
                         "count(batch)); see the module doc")
     if mean_over is not None:
         _check_mean_over(mean_over)
-    aux_rules = None if explicit and aux is None else _aux_rules(aux, has_aux)
+    aux_rules = None if explicit and aux is None else aux_lib.rules(aux, has_aux)
     codec, param_codec = (_read(name, c, data_axes) for name, c in
                           (("codec", codec), ("param_codec", param_codec)))
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
@@ -301,7 +283,7 @@ def _accumulate(value_of, params, batch, k, axes, mean_over, aux_rules):
     grad_of = jax.value_and_grad(scaled, has_aux=True)
     if k == 1:
         (loss, aux), grads = grad_of(params, batch, scale_K[0])
-        aux = _aux_local(aux_rules, [aux], scale_K)
+        aux = aux_lib.local(aux_rules, [aux], scale_K)
     else:
         f32 = lambda tree: jax.tree.map(lambda v: v.astype(jnp.float32), tree)
         first = jax.tree.map(lambda x: x[0], micro)
@@ -316,62 +298,9 @@ def _accumulate(value_of, params, batch, k, axes, mean_over, aux_rules):
         total, (loss_K, aux_K) = lax.scan(body, zeros, (micro, scale_K))
         loss = jnp.sum(loss_K)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), total, params)
-        aux = _aux_local(aux_rules, [jax.tree.map(lambda a: a[i], aux_K) for i in range(k)],
+        aux = aux_lib.local(aux_rules, [jax.tree.map(lambda a: a[i], aux_K) for i in range(k)],
                          scale_K)
-    return _combine(loss, aux, aux_rules, axes, k), grads
-
-
-def _aux_local(rules, aux_K, scale_K):
-    """Each aux leaf combined over this rank's microbatches, by its rule."""
-    if rules is None:
-        return ()
-    k = len(aux_K)
-
-    def one(rule, *vals):
-        if rule == "weighted":
-            if not jnp.issubdtype(vals[0].dtype, jnp.floating):
-                raise TypeError(f"aux rule 'weighted' takes floating-point leaves; got "
-                                f"{vals[0].dtype}")
-            return sum(scale_K[i] * v.astype(jnp.float32) for i, v in enumerate(vals))
-        if rule in ("max", "min"):
-            pick = jnp.maximum if rule == "max" else jnp.minimum
-            out = vals[0]
-            for v in vals[1:]:
-                out = pick(out, v)
-            return out
-        if rule == "mean" and not jnp.issubdtype(vals[0].dtype, jnp.floating):
-            raise TypeError(f"aux rule 'mean' takes floating-point leaves; got {vals[0].dtype} "
-                            "(a count is a 'sum')")
-        return sum(vals[1:], vals[0]) if k > 1 else vals[0]
-
-    return jax.tree.map(lambda rule, *subs: jax.tree.map(lambda *v: one(rule, *v), *subs),
-                        rules, *aux_K)
-
-
-def _combine(loss, aux, rules, axes, k):
-    """The global loss and aux: one all-reduce for the sums, one each for max/min."""
-    if rules is None:
-        return lax.psum(loss, axes), ()
-    n = lax.axis_size(axes) * k
-    flat_rules, flat_aux = [], []
-    for rule, sub in zip(jax.tree.leaves(rules), jax.tree.structure(rules).flatten_up_to(aux)):
-        for leaf in jax.tree.leaves(sub):
-            flat_rules.append(rule)
-            flat_aux.append(leaf)
-    sums = [i for i, r in enumerate(flat_rules) if r in ("sum", "mean", "weighted")]
-    summed = lax.psum([loss] + [flat_aux[i] for i in sums], axes)
-    out = list(flat_aux)
-    for i, v in zip(sums, summed[1:]):
-        out[i] = v / n if flat_rules[i] == "mean" else v
-    for rule, red in (("max", lax.pmax), ("min", lax.pmin)):
-        idx = [i for i, r in enumerate(flat_rules) if r == rule]
-        if idx:
-            for i, v in zip(idx, red([flat_aux[i] for i in idx], axes)):
-                out[i] = v
-    # Back into aux's own structure and dtypes ("weighted" summed in float32).
-    orig = jax.tree.leaves(aux)
-    out = [v.astype(o.dtype) for v, o in zip(out, orig)]
-    return summed[0], jax.tree.unflatten(jax.tree.structure(aux), out)
+    return aux_lib.combine(loss, aux, aux_rules, axes, k), grads
 
 
 def gather_params(shards, *, mesh, param_specs=None, rules=None, data_axes="data",

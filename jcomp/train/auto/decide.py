@@ -54,49 +54,33 @@ The processes of a cluster must decide as one, or each compiles another step
 and they wait on each other's collectives until a timeout: what a decision
 rests on (the profile file's figures, the checkpoint's decision kept) is
 compared across processes before it is used, and a difference is refused on
-every process in one line (`_agree_on_basis`); the probe's and the trial's
+every process in one line (`jcomp.train.auto.basis`); the probe's and the trial's
 timings are process 0's on every process, and a stop asked for during the
 trial is agreed by all (jcomp.train.auto.trial).
 """
 from __future__ import annotations
 
-import dataclasses
-import glob
-import hashlib
-import json
 import logging
-import os
 
 import jax
-import numpy as np
 
 from jcomp import tune
 from jcomp.gpt import mesh as mesh_lib
 from jcomp.train.run import faults
-from jcomp.train.auto import stepbytes, trial
-from jcomp.train.auto.pick import (AS_GIVEN, OUTER_ENTRY, overrides, pick_route,
+from jcomp.train.auto import basis, stepbytes, trial
+from jcomp.train.auto.pick import (AS_GIVEN, FEWEST, OUTER_ENTRY, overrides, pick_route,
                                    weigh_by_trial)
 from jcomp.train.settings.auto import OUTER, OUTER_CODEC
 from jcomp.train.settings.runspec import build
 
 UsageError = faults.UsageError
 _log = logging.getLogger(__name__)
-FEWEST = ", fewest bytes"  # a route's variant at the budget's most compressed codecs
 
 
 def codec_budget(budget) -> dict | None:
     """The budget's codec kinds alone (what tune.choose takes)."""
     out = {k: v for k, v in (budget or {}).items() if k != OUTER}
     return out or None
-
-
-def load_profile(path, field: str = "compression.profile") -> tune.Profile:
-    try:
-        return tune.load(path)
-    except OSError as e:
-        raise UsageError(f"{field}={path!r}: {e.strerror or e}") from None
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"{field}={path!r}: {str(e).splitlines()[0]}") from None
 
 
 # ------------------------------------------------------------------ deciding
@@ -169,35 +153,13 @@ def with_decision(settings, summary: dict):
                                   (summary.get("outer") or {}).get("every", 0))
 
 
-def saved(workdir) -> tuple[int, dict] | None:
-    """(step, decision) recorded by the newest complete checkpoint in `workdir`, or
-    None. Read-only: the decision is needed before the workdir is locked, so that
-    a config the decision makes invalid leaves the workdir as it was."""
-    from jcomp.train.run import checkpoint
-    steps = []
-    for path in glob.glob(os.path.join(workdir, "checkpoints", "*", checkpoint.COMMIT_MARKER)):
-        name = os.path.basename(os.path.dirname(path))
-        if name.isdigit():
-            steps.append(int(name))
-    for step in sorted(steps, reverse=True):
-        # Orbax's JsonSave item "meta" (jcomp.train.run.checkpoint) is this one file.
-        try:
-            with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
-                meta = json.load(f)
-        except (OSError, ValueError):
-            continue  # damaged: the restore sets it aside and tries older steps too
-        auto = meta.get("auto") if isinstance(meta, dict) else None
-        return (step, auto) if isinstance(auto, dict) else None
-    return None
-
-
 def decide(settings, s, run, mesh, workdir, rows=None):
     """-> (the RunSpec of `settings` (jcomp.train.settings.runspec.Settings) with
     the decision's policy, the decision's summary). `s`: its AutoSettings; `run`
     the uncompressed RunSpec of `settings`, `mesh` the run's mesh (probed when
     compression.profile is ''), `rows` this process's first batch rows (for
     compression.trial)."""
-    kept, s = _basis(s, workdir)
+    kept, s = basis.basis(s, workdir)
     if kept is not None and s.mode == "on":
         step, summary = kept
         summary = {**summary, "source": f"kept from the checkpoint of step {step}"}
@@ -214,7 +176,7 @@ def decide(settings, s, run, mesh, workdir, rows=None):
             summary = {**summary, "not_weighed": note}
     chosen = build(with_decision(settings, summary))
     if s.mode == "reprobe":
-        _check_reprobe(kept, summary)
+        basis.check_reprobe(kept, summary)
     return chosen, summary
 
 
@@ -238,73 +200,6 @@ def _by_trial(settings, s, mesh, rows, flat: dict, others: dict) -> dict:
             raise
 
 
-def _basis(s, workdir) -> tuple[tuple[int, dict] | None, dict]:
-    """(the newest checkpoint's (step, decision), or None; `s` with its profile
-    read where the decision is made afresh from a file), the same on every
-    process of a cluster or UsageError on every one (`_agree_on_basis`). A
-    resume keeping its decision (compression.auto='on') reads no profile."""
-    kept = saved(workdir)
-    profile, error = s.profile, None
-    if profile is None and s.profile_path and not (kept is not None and s.mode == "on"):
-        try:
-            profile = load_profile(s.profile_path)
-        except UsageError as e:
-            error = e
-    _agree_on_basis(s.profile_path, kept, profile, error)
-    if error is not None:
-        raise error
-    return kept, dataclasses.replace(s, profile=profile)
-
-
-def _digest(value) -> list[int]:
-    text = json.dumps(value, sort_keys=True, allow_nan=True, default=str)
-    return list(hashlib.sha256(text.encode()).digest()[:16])
-
-
-def _agree_on_basis(path: str, kept, profile: tune.Profile | None, error) -> None:
-    """In a cluster: each process's kept decision and profile figures (or its
-    failure to read the file) against process 0's. Where any differs, every
-    process raises a UsageError (a process that failed names its own reason),
-    after the others have said they are leaving (cluster.leave_together)."""
-    if jax.process_count() == 1:
-        return
-    from jax.experimental import multihost_utils
-
-    from jcomp.train.run import cluster
-    mine = np.asarray([int(error is not None), kept[0] if kept else -1,
-                       *_digest(kept[1] if kept else None),
-                       *_digest(profile.to_dict() if profile else None)], np.int32)
-    every = np.asarray(multihost_utils.process_allgather(mine))
-    failed = [i for i in range(len(every)) if every[i, 0]]
-    steps = [int(v) for v in every[:, 1]]
-    decisions = [i for i in range(1, len(every)) if not np.array_equal(every[i, 1:18],
-                                                                        every[0, 1:18])]
-    figures = [i for i in range(1, len(every)) if not np.array_equal(every[i, 18:],
-                                                                      every[0, 18:])]
-    if not (failed or decisions or figures):
-        return
-    cluster.leave_together()
-    if error is not None:
-        raise error
-    field = f"compression.profile={path!r}"
-    if failed:
-        raise UsageError(f"{field} could not be read on process {', '.join(map(str, failed))} "
-                         "(its own line says why); every process must read the same profile")
-    if decisions:
-        i = decisions[0]
-        held = lambda j: (f"the checkpoint of step {steps[j]}" if steps[j] >= 0
-                          else "no checkpoint")
-        raise UsageError(
-            f"the processes would resume different compression.auto decisions: process 0 "
-            f"from {held(0)}, process {i} from {held(i)}"
-            + (" (another decision at the same step)" if steps[i] == steps[0] else "")
-            + "; every process must see the same --workdir checkpoints")
-    raise UsageError(f"{field} holds other figures on process "
-                     f"{', '.join(map(str, figures))} than on process 0: every process must "
-                     "plan with the same profile, or each would choose its own codecs and "
-                     "compile another step; copy process 0's file to the others")
-
-
 def _probe(mesh, codecs=tune.DEFAULT_CODECS) -> tune.Profile:
     try:
         return tune.probe(mesh, codecs=codecs)
@@ -323,7 +218,7 @@ def _candidates(settings, s, run, mesh) -> tuple[dict, dict, str | None]:
     every = (s.budget or {}).get(OUTER)
     written = s.profile
     if written is None and s.profile_path:
-        written = load_profile(s.profile_path)
+        written = basis.load_profile(s.profile_path)
     if written is not None:
         source = f"profile {s.profile_path}"
         flat = choose(run, written, s.budget, s.overlap, source)
@@ -418,73 +313,3 @@ def outer_candidate(settings, budget, overlap: float, k: int,
             "outer": {"every": every, "codec": OUTER_CODEC}}
 
 
-def _check_reprobe(kept, summary):
-    """`kept`: `saved(workdir)`, (step, decision) or None."""
-    if kept is None:
-        return
-    step, old = kept
-    was, now = overrides(old), overrides(summary)
-    changed = [f"{k}={now[k]} (checkpoint: {was.get(k)})" for k in now if was.get(k) != now[k]]
-    if (old.get("outer") or {}).get("every") != (summary.get("outer") or {}).get("every"):
-        changed.append(f"outer.every={(summary.get('outer') or {}).get('every', 0)} "
-                       f"(checkpoint: {(old.get('outer') or {}).get('every', 0)})")
-    if old.get("dcn_data", 1) != summary.get("dcn_data", 1):
-        changed.append(f"mesh.dcn_data={summary.get('dcn_data', 1)} (checkpoint: "
-                       f"{old.get('dcn_data', 1)})")
-    if changed:
-        raise UsageError(f"compression.auto='reprobe' chose {', '.join(changed)}, but the "
-                         f"checkpoint of step {step} is laid out for its own choice; resume "
-                         "with compression.auto='on' to keep it, or train the new choice in "
-                         "another --workdir")
-
-
-# ------------------------------------------------------------------ text
-
-def _human(n: float) -> str:
-    from jcomp.train.run.traffic import human
-    return human(n)
-
-
-def table(summary: dict) -> str:
-    """The decision as the trainer prints it before training."""
-    head = ("entry", "link (latency, bandwidth)", "codec", "bytes/step raw -> coded",
-            "comm ms: chosen", "raw")
-    rows = [head]
-    for entry, e in summary["entries"].items():
-        rows.append((entry, f"{e['latency_s'] * 1e6:.3g} us, {e['bytes_per_s'] / 1e9:.3g} GB/s",
-                     e["codec"], f"{_human(e['raw_bytes'])} -> {_human(e['coded_bytes'])}",
-                     f"{e['seconds'] * 1e3:.4g}", f"{e['raw_seconds'] * 1e3:.4g}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["compression.auto: codecs chosen from measured links (" + summary["source"] + "):"]
-    lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    raw, now = summary["raw_seconds"], summary["seconds"]
-    for route, r in summary.get("routes", {}).items():
-        lines.append(f"  route {route}: {r['seconds'] * 1e3:.4g} ms predicted")
-    if summary.get("outer"):
-        lines.append(f"  route taken: an outer loop across mesh.dcn_data={summary['dcn_data']}"
-                     f" islands, syncing every {summary['outer']['every']} steps "
-                     f"({summary['outer']['codec']} pseudo-gradients; allowed by "
-                     "compression.budget's outer=H)")
-    elif summary.get("dcn_data", 1) > 1:
-        lines.append(f"  route taken: per hop, mesh.dcn_data={summary['dcn_data']}")
-    if (summary.get("trial") or {}).get("taken", "").endswith(FEWEST):
-        lines.append("  codecs taken: the budget's most compressed on that route, timed "
-                     "fastest in the trial")
-    if summary.get("not_weighed"):
-        lines.append(f"  {summary['not_weighed']}")
-    lines.append(f"  predicted communication per step: {now * 1e3:.4g} ms vs {raw * 1e3:.4g} ms "
-                 f"uncompressed ({now / raw if raw else 1.0:.2f}x; overlap "
-                 f"{summary['overlap']:g}; {summary['device']})")
-    t = summary.get("trial")
-    if t:
-        timed = ", ".join(f"{name} {sec:.4g} s" for name, sec in t["measured_s"].items())
-        lines.append(f"  trial ({t['steps']} steps each, median): {timed}; taken: {t['taken']}")
-        lines.append(f"  predicted step: {summary['step_s']:.4g} s (its trial) vs "
-                     f"{summary['raw_step_s']:.4g} s uncompressed (model: "
-                     f"{t['predicted_s'][t['taken']]:.4g} s with compute "
-                     f"{t['compute_s']:.4g} s from the uncompressed trial)")
-    elif summary.get("step_s") is not None:
-        lines.append(f"  predicted step: {summary['step_s']:.4g} s vs {summary['raw_step_s']:.4g} s "
-                     f"uncompressed (compute {summary['compute_s']:.4g} s, "
-                     "compression.compute_s)")
-    return "\n".join(lines)

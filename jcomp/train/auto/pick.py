@@ -15,6 +15,7 @@ from __future__ import annotations
 RAW = "uncompressed"       # the trial's name for the run sending raw on the mesh as given
 AS_GIVEN = "as given"      # the decision for the mesh as given, by predicted time
 OUTER_ENTRY = "dcn.outer"  # the decision's entry for an outer loop's syncs
+FEWEST = ", fewest bytes"  # a route's variant at the budget's most compressed codecs
 # An outer loop costs loss (compression.budget's outer=H accepts it), so it is
 # taken only where it saves at least this share of the step: less is within
 # the run-to-run spread of step times measured here (up to 19% on the two-hop

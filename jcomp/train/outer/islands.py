@@ -1,6 +1,6 @@
 """The outer loop of low-communication training (DiLoCo, Streaming DiLoCo) in
 the trainer: the islands' train state and the sync program (config.outer is
-read by `jcomp.train.settings.outer`).
+read by `jcomp.train.settings.outer`; the loop asks `jcomp.train.outer.driver`).
 
     state = lift(step.init_state(...), run, mesh, shapes, tx)  # islands' copies + outer state
     syncs = delay.syncs_for(run, mesh, shapes, tx)  # Syncs, or DelayedSyncs
@@ -8,8 +8,6 @@ read by `jcomp.train.settings.outer`).
         state, seconds = syncs.run_apply(f, state)
     for f in fragments.due(done, run.outer):    # after inner step `done`
         state, seconds = syncs.run_sync(f, state, done)
-
-What the training loop asks around each step is `jcomp.train.outer.driver`.
 
 Islands. The mesh is ('dcn', 'data', 'tensor', 'pipeline'): each index of
 'dcn' is an island (with mesh.dcn_data = k > 1 the k slow-hop groups; with
@@ -32,8 +30,8 @@ outer-optimizer state per fragment) and so checkpointed with it.
 
 Fragments (outer.fragments = F, Streaming DiLoCo): contiguous blocks of
 transformer layers, the embedding with the first and the final norm with the
-last (`jcomp.train.outer.fragments`); fragment f syncs after the inner steps n with
-n % H == f * H / F (H = outer.every). The global model is the anchor
+last (`jcomp.train.outer.fragments`); fragment f syncs after the inner steps
+n with n % H == f * H / F (H = outer.every). The global model is the anchor
 (`Syncs.global_params`): the loop evaluates it as val_loss, beside the
 islands' own params (val_loss_islands).
 
@@ -43,9 +41,8 @@ tau steps later (`jcomp.train.outer.delay`). With delay 0 the sync blocks, as
 without it.
 
 outer.codec="sparseloco[:k=K][:chunk=C][:beta=B][:coder=packed|index]" is
-SparseLoCo (`jcomp.collectives.outer.sparseloco`): chunked top-k, 2-bit values, a decaying
-residual per island, no outer momentum. config.outer is read in
-`jcomp.train.settings.outer`.
+SparseLoCo (`jcomp.collectives.outer.sparseloco`): chunked top-k, 2-bit
+values, a decaying residual per island, no outer momentum.
 """
 from __future__ import annotations
 
