@@ -1,5 +1,5 @@
 """A leaf laid out as rows for a reduce-scatter over n devices that hands each
-device whole rows or whole pieces of rows (`hops`' raw hop, `outer`'s shares).
+device whole rows or whole pieces of rows (`hopsum`'s raw hop, `outer`'s shares).
 
 Rows stay apart: a piece lies inside one row (one vector of the leaf's last
 axis with rows="independent", the whole leaf with "flat"), and all padding is

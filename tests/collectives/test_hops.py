@@ -1,4 +1,5 @@
-"""cc.psum / cc.pmean with a codec per mesh axis (jcomp/collectives/hops.py):
+"""cc.psum / cc.pmean with a codec per mesh axis (jcomp/collectives/hopsum.py;
+psum_scatter and all_gather: hops.py):
 raw over the fast hop, coded over the slow one, hierarchically. Bytes are
 read from compiled programs (jcomp.meter.wire), per mesh axis."""
 import jax
