@@ -7,7 +7,7 @@
 compiled, and `python -m jcomp.train.plan` plans models that fit on no machine
 at hand (configs/neox20b.py), so the bytes here are counted from the model's
 shapes and the run's layout, not read from a compiled program. They follow the
-step of jcomp.gpt (pipeline.py, tensor.py, datahops.py) and count as
+step of jcomp.gpt (pipeline.py, tensor.py, zero.py) and count as
 jcomp.meter.wire does: bytes per device per step, averaged over the mesh, an
 all-reduce over n devices 2(n-1)/n of its buffer, a reduce-scatter or
 all-gather (n-1)/n of the full buffer, a permute its buffer on the (P-1)/P of
