@@ -2,13 +2,15 @@
 
     train_and_evaluate(config, workdir, stop=None, hooks=None)
 
-A run is: the config checked into a `RunSpec` (`jcomp.train.settings.runspec.validate`);
-the workdir checked and locked; the data loaded; the state restored from the
-newest usable checkpoint or initialised (`jcomp.train.state.resume`); then per step a
-batch, the step compiled for its compression phase and kept
-(`jcomp.train.state.stepcache`), its metrics record (`jcomp.train.run.record`), and a
-checkpoint every checkpoint.every steps. Once the first step is compiled, a
-table of what it sends goes above the progress bar (`jcomp.train.run.traffic`).
+A run is: the config read once into frozen settings and built into a
+`RunSpec` (`jcomp.train.settings.runspec.read`, `build`); the workdir checked
+and locked; the data loaded; the state restored from the newest usable
+checkpoint or initialised (`jcomp.train.state.resume`); then per step a batch,
+the step compiled for its compression phase and kept
+(`jcomp.train.state.stepcache`), what runs around it (`jcomp.train.outer.driver`:
+nothing, or an outer loop's syncs), its metrics record (`jcomp.train.run.record`),
+and a checkpoint every checkpoint.every steps. Once the first step is compiled,
+a table of what it sends goes above the progress bar (`jcomp.train.run.traffic`).
 The caller's hooks (`jcomp.train.run.hooks`) run before each batch, after each step
 and during each save.
 

@@ -1,1 +1,2 @@
-"""The outer loop: islands' state and sync, delayed merges, fragments."""
+"""The outer loop: what the training loop asks around each step (`driver`), the
+islands' state and sync (`islands`), delayed merges (`delay`), fragments."""

@@ -40,7 +40,7 @@ model evaluated there holds it.
 
 The pending result is the anchor itself, part of the checkpointed state;
 whether a merge is due is a function of the step alone
-(`outerconfig.applied`); a start due but not yet carried is named in the
+(`fragments.applied`); a start due but not yet carried is named in the
 checkpoint's metadata (outer_pending) and carried by the resumed run's first
 step. So a save with a sync in flight resumes bit for bit. outer.delay < H,
 so a fragment's next start comes after its last merge. A start whose merge

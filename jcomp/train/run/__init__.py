@@ -1,3 +1,4 @@
-"""The run's machinery: checkpoints, resume, data, metrics, faults, processes.
+"""The run's machinery: checkpoints, data, metrics and what a run prints, faults,
+processes.
 
 Imports nothing: the fault handling and the supervisor load no JAX."""
