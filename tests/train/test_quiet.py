@@ -246,7 +246,7 @@ def test_exit_with_line_leaves_one_line_and_the_code():
     """Without JAX loaded; a thread that never ends does not hold the exit up,
     and what stdout had is flushed first."""
     out = _child("import sys, threading\n"
-                 "from jcomp.train import quiet\n"
+                 "from jcomp.train.run import quiet\n"
                  "assert 'jax' not in sys.modules\n"
                  "threading.Thread(target=threading.Event().wait).start()\n"
                  "sys.stdout.write('progress')\n"
@@ -258,7 +258,7 @@ def test_exit_with_line_leaves_one_line_and_the_code():
 def test_exit_line_goes_to_the_terminal_fd(tmp_path):
     path = tmp_path / "terminal"
     out = _child("import os\n"
-                 "from jcomp.train import quiet\n"
+                 "from jcomp.train.run import quiet\n"
                  f"quiet.set_terminal_fd(os.open({str(path)!r}, os.O_WRONLY | os.O_CREAT))\n"
                  "quiet.exit_with_line('train.py: error: peer lost\\n', 4)\n")
     assert (out.returncode, out.stderr) == (4, "")
