@@ -327,6 +327,7 @@ def _receivers(run):
     return found, out
 
 
+@pytest.mark.e2e  # trains a tiny run in process
 def test_only_the_settings_modules_receive_the_config(tmp_path):
     """A run (with compression.auto deciding from a profile file) and a plan: the
     ConfigDict is handed to the settings' functions and to nothing else below the
