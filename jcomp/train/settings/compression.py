@@ -10,12 +10,12 @@ into `CompressionSettings.auto`.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from jcomp.gpt import policy as policy_lib
 from jcomp.gpt import schedule as schedule_lib
 from jcomp.train.run.faults import UsageError
 from jcomp.train.settings import auto as auto_settings
+from jcomp.train.settings import sections
 
 EF_MODES = {"auto": None, "on": True, "off": False}
 
@@ -64,15 +64,8 @@ def from_config(comp, dcn_data: int = 1) -> CompressionSettings:
     if comp.error_feedback not in EF_MODES:
         raise UsageError(f"compression.error_feedback={comp.error_feedback!r}; "
                          "allowed: auto, on, off")
-    w, mib = comp.warmup_steps, comp.bucket_mib
-    if isinstance(w, bool) or not isinstance(w, int):
-        raise UsageError(f"compression.warmup_steps must be an integer; got {w!r}")
-    if w < 0:
-        raise UsageError(f"compression.warmup_steps must be >= 0; got {w}")
-    if isinstance(mib, bool) or not isinstance(mib, (int, float)):
-        raise UsageError(f"compression.bucket_mib must be a number; got {mib!r}")
-    if not (math.isfinite(mib) and mib > 0):
-        raise UsageError(f"compression.bucket_mib must be > 0; got {mib}")
+    w = sections.check_number(comp.warmup_steps, "compression.warmup_steps", zero_ok=True)
+    mib = sections.check_number(comp.bucket_mib, "compression.bucket_mib", integer=False)
     entries = tuple((f"{a}.{k}", comp[a][k]) for a, k in policy_lib.MESSAGES if comp[a][k])
     hop = tuple((f"{a}.{k}", comp.get(a, {}).get(k, "")) for a, k in policy_lib.HOP_MESSAGES)
     fields = dict(
