@@ -40,7 +40,7 @@ def _same(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32"])  # bfloat16: experiments/checks/test_jitgrad_long.py
 def test_none_is_the_plain_step(mesh, monkeypatch, dtype):
     """codec="none" reduces with lax's all-reduce, the one XLA inserts: every axis
     carries the same bytes. Values agree to the rounding of a separately compiled

@@ -17,10 +17,12 @@ from jcomp.meter import wire
 
 AXES = jmesh.AXES
 EVERY = P(AXES)  # one block per device along the leading dim
-CODECS = ["bf16", "fp16", "fp8", "int8", "int4", "int4:rot", "int2", "int8:sr",
-          "mxfp8", "mxfp4:rot", "nvfp4", pytest.param("nvfp4:sr:rot", marks=pytest.mark.slow),
-          pytest.param("topk:0.25", marks=pytest.mark.slow),
-          pytest.param("randk:0.5", marks=pytest.mark.slow)]
+# One codec of each kind: a cast, blocks, a rotation, stochastic rounding, the FP4
+# microscale format, a top-k and a random-k selection; bfloat16 inputs with three
+# of them. The rest are in experiments/checks/test_ops_long.py.
+CODECS = ["bf16", "int8", "int4:rot", "int8:sr", "nvfp4", "topk:0.25", "randk:0.5"]
+CODECS_LONG = ["fp16", "fp8", "int4", "int2", "mxfp8", "mxfp4:rot", "nvfp4:sr:rot"]
+BF16_CODECS = ["int8", "nvfp4", "topk:0.25"]
 PERM = ((0, 1), (1, 0))
 
 
@@ -147,8 +149,8 @@ def _roundtrip_error(codec, x, seed):
     return _rel(_roundtrip(codec, seed)(jnp.asarray(flat)), flat)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec,dtype", [(c, jnp.float32) for c in CODECS]
+                         + [(c, jnp.bfloat16) for c in BF16_CODECS])
 def test_every_op_matches_lax_within_the_codec_error(mesh, codec, dtype):
     """Value and gradient of every op, compressed, against jax.lax.
 
@@ -222,8 +224,13 @@ def test_psum_moves_compressed_bytes_in_the_compiled_program(mesh, codec, max_ra
     assert all(c.bytes_per_device < ref_bytes / 64 for c in f32), report.table()
 
 
-@pytest.mark.parametrize("codec", ["fp8", "int8", "int4", "int2", "topk:0.1", "randk:0.1"])
-@pytest.mark.parametrize("op", ["psum", "psum_scatter", "all_gather", "ppermute", "all_to_all"])
+NO_F32_CODECS = ["int8", "topk:0.1"]
+NO_F32_CODECS_LONG = ["fp8", "int4", "int2", "randk:0.1"]
+NO_F32_OPS = ["psum", "psum_scatter", "all_gather", "ppermute", "all_to_all"]
+
+
+@pytest.mark.parametrize("codec", NO_F32_CODECS)
+@pytest.mark.parametrize("op", NO_F32_OPS)
 def test_no_full_precision_collective_remains(mesh, codec, op):
     """Forward and backward of a compressed op send no float array of the data's size."""
     name, ours, _, spec = {c[0]: c for c in _cases(codec, key=0)}[op]

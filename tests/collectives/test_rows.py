@@ -24,14 +24,16 @@ EVERY = P(AXES)
 R, J = 4, 1  # rows per device; the row perturbed
 BLOCK = 16
 LENGTHS = (6, BLOCK, 40)  # shorter than, equal to and longer than a block
-# Every codec, and the options that change what a block is (rot) or draws (sr).
-LOSSY = ["bf16", "fp16", pytest.param(f"fp8:block={BLOCK}", marks=pytest.mark.slow),
-         f"int8:block={BLOCK}", f"int4:block={BLOCK}", f"int2:block={BLOCK}",
-         f"int8:block={BLOCK}:rot", pytest.param(f"int4:block={BLOCK}:sr:rot", marks=pytest.mark.slow),
-         pytest.param("topk:0.25", marks=pytest.mark.slow), "randk:0.5",
-         pytest.param(f"mxfp4:block={BLOCK}:rot", marks=pytest.mark.slow),
-         pytest.param("nvfp4", marks=pytest.mark.slow),
-         pytest.param("mxfp8:sr", marks=pytest.mark.slow)]
+# One codec of each kind (a cast, blocks with a rotation, blocks that draw, a
+# top-k and a random-k selection, the FP4 microscale format) and the options that
+# change what a block is (rot) or draws (sr); the rest of the codecs are in
+# experiments/checks/test_rows_long.py.
+LOSSY = ["bf16", f"int8:block={BLOCK}:rot", f"int4:block={BLOCK}:sr:rot", "topk:0.25",
+         "randk:0.5", "nvfp4"]
+LOSSY_LONG = ["fp16", f"fp8:block={BLOCK}", f"int8:block={BLOCK}", f"int4:block={BLOCK}",
+              f"int2:block={BLOCK}", f"mxfp4:block={BLOCK}:rot", "mxfp8:sr"]
+D128 = ["int8", "topk:0.01"]
+D128_LONG = ["int4:rot", "mxfp4:rot", "nvfp4"]
 PERM = ((0, 1), (1, 0))
 
 
@@ -141,7 +143,7 @@ def test_lossy_codecs_keep_rows_apart(mesh, codec):
     assert _leaks(mesh, codec, "independent", LENGTHS) == {}
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4:rot", "topk:0.01", "mxfp4:rot", "nvfp4"])
+@pytest.mark.parametrize("codec", D128)
 def test_default_blocks_keep_rows_apart_at_d128(mesh, codec):
     """configs/base.py's d_model: rows of 128 elements under the default block of 256."""
     assert _leaks(mesh, codec, "independent", (128,)) == {}
@@ -182,15 +184,24 @@ def _flat_leaves(seed):
             "c_big": rng.standard_normal((8 * 4096,)).astype(np.float32)}
 
 
+@functools.lru_cache(maxsize=None)
+def _flat_program(mesh, op, codec):
+    # One compile for the base and each perturbed run: same shapes, same program.
+    return jax.jit(jax.shard_map(lambda t: FLAT_OPS[op](t, codec), mesh=mesh, in_specs=EVERY,
+                                 out_specs=EVERY, check_vma=False))
+
+
 def _flat_run(mesh, op, codec, tree):
-    fn = jax.shard_map(lambda t: FLAT_OPS[op](t, codec), mesh=mesh, in_specs=EVERY,
-                       out_specs=EVERY, check_vma=False)
     placed = {k: jax.device_put(v, NamedSharding(mesh, EVERY)) for k, v in tree.items()}
-    return jax.tree.map(np.asarray, jax.jit(fn)(placed))
+    return jax.tree.map(np.asarray, _flat_program(mesh, op, codec)(placed))
+
+
+FLAT_CODECS = ["int4:rot", "topk:0.05"]
+FLAT_CODECS_LONG = ["int8", "fp8", "nvfp4"]
 
 
 @pytest.mark.parametrize("op", sorted(FLAT_OPS))
-@pytest.mark.parametrize("codec", ["int8", "int4:rot", "fp8", "topk:0.05", "nvfp4"])
+@pytest.mark.parametrize("codec", FLAT_CODECS)
 def test_flat_bucket_leaves_do_not_mix(mesh, op, codec):
     """Scaling one leaf of a flat bucket by 1000 on every device moves no element
     of the other leaves, bit for bit: no block, scale, rotation or top-k budget

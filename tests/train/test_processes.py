@@ -64,13 +64,9 @@ def _records(workdir):
         return {r["step"]: r for r in map(json.loads, f)}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{name: step -> record} of 1 x 8 and 4 x 2 on the (2, 2, 2) mesh, and 1 x 8
-    and 2 x 4 with PIPE_ACROSS; every process exited 0."""
-    base = tmp_path_factory.mktemp("processes")
-    plan = {"one": (1, []), "four": (4, []), "one_pipe": (1, PIPE_ACROSS),
-            "two_pipe": (2, PIPE_ACROSS)}
+def train_side_by_side(base, plan):
+    """Starts every run of `plan` ({name: (processes, flags)}) at once under `base`;
+    -> {name: step -> record}, every process having exited 0."""
     procs = {name: _start(str(base / name), n, *flags) for name, (n, flags) in plan.items()}
     try:
         for name, ps in procs.items():
@@ -82,6 +78,14 @@ def runs(tmp_path_factory):
             if p.poll() is None:
                 p.kill()
     return {name: _records(str(base / name)) for name in plan}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: step -> record} of 1 x 8 and 2 x 4 with PIPE_ACROSS. 4 x 2 on the
+    (2, 2, 2) mesh is in experiments/checks/test_processes_long.py."""
+    return train_side_by_side(tmp_path_factory.mktemp("processes"),
+                              {"one_pipe": (1, PIPE_ACROSS), "two_pipe": (2, PIPE_ACROSS)})
 
 
 class _FakeDevice:
@@ -109,16 +113,6 @@ def test_the_layouts_put_data_ranks_across_processes():
     assert [sorted(set(four[d].flat)) for d in range(2)] == [[0, 1], [2, 3]]
     two = _process_grid((1, 4, 2), 2)
     assert (two[0, :, 0] == 0).all() and (two[0, :, 1] == 1).all(), two
-
-
-def test_four_processes_sharing_data_ranks_match_one_process_bitwise(runs):
-    """4 processes x 2 devices, (2, 2, 2): the 1 x 8 run's losses and validation
-    loss, bit for bit. The same program runs on the same rows; across processes
-    gloo carries the collectives, which here sum in the same order."""
-    one, four = runs["one"], runs["four"]
-    assert sorted(one) == sorted(four) == list(range(1, STEPS + 1))
-    assert [four[s]["loss"] for s in one] == [one[s]["loss"] for s in one]
-    assert "val_loss" in one[STEPS] and four[STEPS]["val_loss"] == one[STEPS]["val_loss"]
 
 
 def test_pipeline_across_processes_matches_one_process_bitwise(runs):
