@@ -1,8 +1,9 @@
 """The long forms of tests/train/test_outer_train.py: train.py with an outer
 loop killed mid-interval (plain and streamed by fragments), a save with a
-carried start pending, and the delayed sync across two processes. Each
-trains two or three runs of its own (about 6 minutes on two cores in all);
-the suite keeps the delayed, streamed run killed with a sync in flight."""
+carried start pending, the delayed sync across two processes, and a
+fragment falling due after every step. Each trains one to three runs of its
+own (about 6 minutes on two cores in all); the suite keeps the delayed,
+streamed run killed with a sync in flight."""
 import signal
 import subprocess
 import sys
@@ -98,3 +99,23 @@ def test_a_save_with_a_carried_start_pending_resumes_bit_for_bit(tmp_path):
         for key in ("loss", "grad_norm", "val_loss", "val_loss_islands", "outer_carried"):
             assert got[s].get(key) == want[s].get(key), (s, key, got[s], want[s])
     assert state_digest(killed, 8) == state_digest(full, 8)
+
+
+def test_a_fragment_due_every_step_with_a_delay_trains(tmp_path):
+    """outer.every=2, 2 fragments, delay 1: a start falls due after every step,
+    the first after step 1, before the start table (before: an IndexError
+    reading that sync's bytes, which were not compiled yet). Each start is
+    carried by the next step and merged after it; after the evaluated steps 4
+    and 8 it runs alone."""
+    workdir = str(tmp_path / "w")
+    proc = run(workdir, *OUTER[:-2], "--config.outer.every=2", "--config.outer.fragments=2",
+               "--config.outer.delay=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = records(workdir)
+    assert [recs[s]["outer_fragment"] for s in range(1, 9)] == [1, 0] * 4
+    assert [recs[s].get("outer_applied") for s in range(1, 9)] == [None] + [1, 0] * 3 + [1]
+    sent = {(recs[s]["outer_fragment"], recs[s]["outer_bytes_per_sync"]) for s in range(1, 9)}
+    assert len(sent) == 2 and all(b > 0 for _, b in sent), sent  # one value per fragment
+    assert {s: r["outer_carried"] for s, r in recs.items() if "outer_carried" in r} == \
+        {2: 1, 3: 0, 4: 1, 6: 1, 7: 0, 8: 1}
+    assert sorted(s for s, r in recs.items() if "outer_sync_s" in r) == [4, 8]

@@ -1,5 +1,6 @@
 """jcomp.gpt.step: the train step's randomness (codecs that draw random numbers get a
-per-step, per-device key: deterministic runs that resume bit for bit) and its messages."""
+per-step, per-device key: deterministic runs that resume bit for bit) and its messages.
+The hybrid step's message count against the baseline's: experiments/checks/test_step_long.py."""
 import os
 import shutil
 
@@ -72,21 +73,6 @@ def _compiled_report(pol_name, **kw):
     fn = step.make_train_step(model_cfg, mesh, plan, tx, shapes, layout=layout, microbatches=2,
                               clip_norm=1.0, **kw)
     return wire.measure_compiled(fn.lower(state, batch).compile(), mesh)
-
-
-@pytest.mark.slow
-def test_hybrid_step_sends_about_as_many_messages_as_the_baseline():
-    """Bucketed gradients and parameters, and one buffer per payload: the hybrid step
-    compiles to the baseline's collectives plus at most one per coded reduction (an
-    all_to_all and an all_gather stand in for one all-reduce), however many leaves
-    the model has; and bucketing sends no more data bytes than a message per leaf."""
-    base, hybrid = _compiled_report("baseline"), _compiled_report("hybrid")
-    per_leaf = _compiled_report("hybrid", bucket_bytes=1)
-    coded_reductions = sum(c.kind == "all-to-all" for c in hybrid.collectives)
-    assert len(hybrid.collectives) <= len(base.collectives) + coded_reductions, (
-        hybrid.table(), base.table())
-    assert len(per_leaf.collectives) > len(hybrid.collectives) + 20
-    assert hybrid.by_axis()["data"] <= per_leaf.by_axis()["data"]
 
 
 def _tiny_steps(dcn, n=2):

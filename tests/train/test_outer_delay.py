@@ -1,12 +1,13 @@
 """outer.delay (jcomp.train.outer.delay): a fragment's sync started after its
 step and merged into the islands outer.delay steps later. In process on
-configs/tiny.py's model (`tests.train.test_outer._Run`)."""
+configs/tiny.py's model (`tests.train.test_outer._Run`). A start carried by the
+next step against the start run alone: experiments/checks/test_outer_delay_long.py."""
 import jax
 import numpy as np
 import pytest
 
 from jcomp.train.outer import islands as outer, delay as outerdelay
-from jcomp.train.outer import driver, fragments
+from jcomp.train.outer import fragments
 from jcomp.train.settings import outer as outerconfig, runspec
 from tests.train.test_outer import _Run, _np
 from tests.train.tinyconfig import tiny_config
@@ -138,46 +139,6 @@ def test_a_resume_cannot_drop_or_add_a_delay():
     assert check(delayed, delayed) == [] and check(blocking, blocking) == []
     assert "outer.delay=1, this run has outer.delay=0" in check(blocking, delayed)[0]
     assert "outer.delay=0, this run has outer.delay=1" in check(delayed, blocking)[0]
-
-
-@pytest.mark.slow  # compiles whole train steps, syncs and carried steps
-def test_a_start_carried_by_the_next_step_equals_the_start_run_alone():
-    """Fragment 1's start (due after step 2) overlapped with step 3, in one
-    program (outerdelay.carry) or on a thread beside the step's, or run before
-    the step ("serial"), leaves the same state, bit for bit, as the start run
-    alone after step 2 and then step 3; the one program holds the step's
-    collectives and the start's exchange across islands; the thread and the
-    serial start time the start."""
-    kw = {"outer.every": 4, "outer.fragments": 2, "outer.delay": 1,
-          "outer.codec": "int4:rot", "outer.error_feedback": "on"}
-    alone = _Run(**kw)
-    carried = {overlap: _Run(**kw) for overlap in outerdelay.OVERLAPS}
-    for overlap, r in carried.items():
-        r.syncs.overlap = overlap
-    for r in (alone, *carried.values()):
-        _step(r, 1)
-        r.inner_step(2)
-    assert fragments.due(2, alone.run.outer) == [1]
-    masters = _np(alone.state["zero"]["master"])
-    alone.state, _ = alone.syncs.run_sync(1, alone.state, 2)
-    alone.inner_step(3)
-    # The step moved the masters, so a start that read them after it would differ.
-    assert not all(np.array_equal(x, y) for x, y in
-                   zip(jax.tree.leaves(masters),
-                       jax.tree.leaves(_np(alone.state["zero"]["master"]))))
-    for overlap, r in carried.items():
-        phase = r.run.phases[0][1]
-        r.state, m, seconds = r.syncs.run_carried(1, phase, r.steps, r.state, r.batch(3), 2)
-        for x, y in zip(jax.tree.leaves(_np(alone.state)), jax.tree.leaves(_np(r.state))):
-            assert np.array_equal(x, y), overlap
-        assert np.isfinite(float(driver.island_mean(m)["loss"]))
-        if overlap != "program":
-            assert seconds > 0 and r.syncs._carried == {}
-            continue
-        assert seconds is None
-        from jcomp.meter import wire
-        sent = wire.measure_compiled(r.syncs._carried[phase, 1], r.mesh).by_axis()
-        assert sent.get(outer.AXIS, 0) == pytest.approx(r.syncs.bytes_per_sync[1])
 
 
 def test_the_overlap_is_a_thread_on_cpu_one_program_elsewhere_and_named_when_bad():

@@ -3,7 +3,8 @@ metrics, kill -9 and a bitwise resume with a delayed fragment's sync in flight,
 and the refusal of a changed outer setting on resume.
 
 The longer forms (the plain and the streamed outer loop killed mid-interval, a
-carried start pending at a save, the delayed sync across two processes) are in
+carried start pending at a save, the delayed sync across two processes, a
+fragment due after every step) are in
 experiments/checks/test_outer_train_long.py."""
 import hashlib
 import json
@@ -223,21 +224,3 @@ def test_a_delayed_sync_in_flight_at_a_save_resumes_bit_for_bit(delayed, tmp_pat
                             ("loss", "grad_norm", "val_loss", "val_loss_islands"))
 
 
-def test_a_fragment_due_every_step_with_a_delay_trains(tmp_path):
-    """outer.every=2, 2 fragments, delay 1: a start falls due after every step,
-    the first after step 1, before the start table (before: an IndexError
-    reading that sync's bytes, which were not compiled yet). Each start is
-    carried by the next step and merged after it; after the evaluated steps 4
-    and 8 it runs alone."""
-    workdir = str(tmp_path / "w")
-    proc = run(workdir, *OUTER[:-2], "--config.outer.every=2", "--config.outer.fragments=2",
-               "--config.outer.delay=1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    recs = records(workdir)
-    assert [recs[s]["outer_fragment"] for s in range(1, 9)] == [1, 0] * 4
-    assert [recs[s].get("outer_applied") for s in range(1, 9)] == [None] + [1, 0] * 3 + [1]
-    sent = {(recs[s]["outer_fragment"], recs[s]["outer_bytes_per_sync"]) for s in range(1, 9)}
-    assert len(sent) == 2 and all(b > 0 for _, b in sent), sent  # one value per fragment
-    assert {s: r["outer_carried"] for s, r in recs.items() if "outer_carried" in r} == \
-        {2: 1, 3: 0, 4: 1, 6: 1, 7: 0, 8: 1}
-    assert sorted(s for s, r in recs.items() if "outer_sync_s" in r) == [4, 8]
