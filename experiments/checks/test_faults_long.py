@@ -11,8 +11,8 @@ import pytest
 from tests.train.test_faults import (STEPS, TINY, TMP_MARK, _mount_tmpfs,  # noqa: F401
                                      _tmpfs_usage, _umount, ckpt_dir, committed_steps,
                                      error_lines, losses, n_records, records, reference,
-                                     restore_all, run, snapshot, start, truncate_biggest,
-                                     unfinished_saves, wait_for_lock)
+                                     reference_run, restore_all, run, snapshot, start,
+                                     truncate_biggest, unfinished_saves, wait_for_lock)
 
 pytestmark = pytest.mark.e2e
 
