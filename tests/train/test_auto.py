@@ -524,7 +524,7 @@ def test_plan_states_a_standard_bf16_step_beside_jcomps_own():
     (line,) = [l for l in text.splitlines() if l.startswith("baselines:")]
     std_s = sum(tune.predict(prof, a, t, "none", 0.0) for (a, _), t in std.items())
     raw_s = sum(tune.predict(prof, a, t, "none", 0.0) for (a, _), t in mine.items())
-    assert f"{raw_s * 1e3:.4g} ms" in line and f"standard bf16" in line
+    assert f"{raw_s * 1e3:.4g} ms" in line and "standard bf16" in line
     assert f"{std_s * 1e3:.4g} ms" in line and std_s < raw_s
 
 
