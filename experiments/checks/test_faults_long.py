@@ -11,8 +11,8 @@ import pytest
 from tests.train.test_faults import (STEPS, TINY, TMP_MARK, _mount_tmpfs,  # noqa: F401
                                      _tmpfs_usage, _umount, ckpt_dir, committed_steps,
                                      error_lines, losses, n_records, records, reference,
-                                     reference_run, restore_all, run, snapshot, start,
-                                     truncate_biggest, unfinished_saves, wait_for_lock)
+                                     reference_run, restore_all, run, signal_when_locked,
+                                     snapshot, start, truncate_biggest, unfinished_saves)
 
 pytestmark = pytest.mark.e2e
 
@@ -53,15 +53,8 @@ def test_second_ctrl_c_exits_130_and_the_next_start_cleans_up(tmp_path):
     assert committed_steps(workdir) == [] and unfinished_saves(workdir)
     recs = records(workdir)
 
-    rerun = start(workdir, *TINY)
-    try:
-        assert wait_for_lock(rerun, workdir), "the rerun never locked its workdir"
-        rerun.send_signal(signal.SIGTERM)
-        _, err = rerun.communicate(timeout=120)
-    finally:
-        if rerun.poll() is None:
-            rerun.kill()
-    assert rerun.returncode == 0, err[-3000:]
+    code, err = signal_when_locked(workdir, signal.SIGTERM, *TINY)
+    assert code == 0, err[-3000:]
     assert "Traceback" not in err and "nothing saved" in err, err[-3000:]
     assert not unfinished_saves(workdir), os.listdir(ckpt_dir(workdir))
     assert committed_steps(workdir) == [] and records(workdir) == recs

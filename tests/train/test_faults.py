@@ -137,6 +137,20 @@ def wait_for_lock(proc, workdir, timeout=180):
     return False
 
 
+def signal_when_locked(workdir, sig, *args):
+    """Starts train.py on `workdir`, sends `sig` once it holds the workdir's lock and
+    waits for it to end. -> (exit code, stderr)."""
+    proc = start(workdir, *args)
+    try:
+        assert wait_for_lock(proc, workdir), "the run never locked its workdir"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
 def start(workdir, *args, **faults):
     return subprocess.Popen(_cmd(workdir, *args, **faults), cwd=ROOT, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -483,15 +497,8 @@ def test_sighup_before_the_first_step_leaves_no_workdir(tmp_path):
     a run as SIGTERM does: exit 0, and nothing of the workdir remains (no lock
     file, no empty checkpoints/, metrics file or TensorBoard run)."""
     workdir = str(tmp_path / "early")
-    proc = start(workdir, *TINY)
-    try:
-        assert wait_for_lock(proc, workdir), "the run never locked its workdir"
-        proc.send_signal(signal.SIGHUP)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0 and "nothing saved" in err, err[-3000:]
+    code, err = signal_when_locked(workdir, signal.SIGHUP, *TINY)
+    assert code == 0 and "nothing saved" in err, err[-3000:]
     assert not os.path.exists(workdir), os.listdir(workdir)
 
 
